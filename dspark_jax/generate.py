@@ -1,0 +1,172 @@
+"""Plain (non-speculative) batched generation with the target model.
+
+Prompts of different lengths are right-padded to a length bucket and prefilled in one pass; decoding
+then runs in jitted chunks of `chunk` steps (a `lax.while_loop` that also exits early once every
+row has stopped), so Python is touched once per chunk, which is where the progress bar advances.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from dspark_jax.errors import UserError
+from dspark_jax.models import decoder
+from dspark_jax.models.config import ModelConfig
+from dspark_jax.sampling import SamplingConfig, sample
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """Next power of two >= n (static shapes: one compilation per bucket, not per length)."""
+    return max(minimum, 1 << max(0, int(n - 1).bit_length()))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    cache: decoder.KVCache
+    last_token: jax.Array  # [B] the token to feed next
+    output: jax.Array  # [B, max_new] generated ids (valid up to num_generated)
+    num_generated: jax.Array  # [B]
+    done: jax.Array  # [B] bool
+    key: jax.Array
+    step: jax.Array  # scalar int32
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    token_ids: list[list[int]]  # generated ids per prompt (a stop token, if hit, is the last id)
+    prefill_s: float
+    decode_s: float
+    compile_s: float  # XLA compilation, kept out of the timings above
+
+    @property
+    def wall_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+
+def _stop_mask(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
+    if not stop_ids:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.any(tokens[..., None] == jnp.asarray(stop_ids, jnp.int32), axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "max_len", "max_new", "stop_ids"))
+def prefill(params, cfg: ModelConfig, tokens, lengths, key, *, sampling: SamplingConfig, max_len: int,
+            max_new: int, stop_ids: tuple[int, ...]) -> DecodeState:
+    B = tokens.shape[0]
+    cache = decoder.init_cache(cfg, B, max_len)
+    hidden, cache, _ = decoder.forward(params, cfg, tokens, cache, lengths)
+    last_hidden = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    key, sub = jax.random.split(key)
+    first = sample(sub, decoder.logits(params, cfg, last_hidden), sampling)
+    output = jnp.zeros((B, max_new), jnp.int32).at[:, 0].set(first)
+    done = _stop_mask(first, stop_ids) | (max_new <= 1)
+    return DecodeState(cache, first, output, jnp.ones((B,), jnp.int32), done, key, jnp.int32(1))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "stop_ids", "steps"), donate_argnames=("state",))
+def decode_chunk(params, cfg: ModelConfig, state: DecodeState, *, sampling: SamplingConfig,
+                 stop_ids: tuple[int, ...], steps: int) -> DecodeState:
+    max_new = state.output.shape[1]
+    end = jnp.minimum(state.step + steps, max_new)
+
+    def cond(s: DecodeState):
+        return (s.step < end) & ~jnp.all(s.done)
+
+    def body(s: DecodeState):
+        active = ~s.done
+        hidden, cache, _ = decoder.forward(params, cfg, s.last_token[:, None], s.cache, active.astype(jnp.int32))
+        key, sub = jax.random.split(s.key)
+        token = sample(sub, decoder.logits(params, cfg, hidden[:, 0]), sampling)
+        token = jnp.where(active, token, s.last_token)
+        rows = jnp.arange(token.shape[0])
+        output = s.output.at[rows, s.num_generated].set(jnp.where(active, token, 0), mode="drop")
+        num_generated = s.num_generated + active
+        done = s.done | (active & _stop_mask(token, stop_ids)) | (num_generated >= max_new)
+        return DecodeState(cache, token, output, num_generated, done, key, s.step + 1)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+def check_context(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
+    longest = max(prompt_lengths)
+    if min(prompt_lengths) == 0:
+        raise UserError("empty prompt: nothing to condition on")
+    if longest + max_new_tokens > cfg.max_position_embeddings:
+        raise UserError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the model's context "
+                        f"of {cfg.max_position_embeddings} tokens")
+
+
+def generate(
+    params: dict,
+    cfg: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    stop_ids: Sequence[int] = (),
+    seed: int = 0,
+    chunk: int = 16,
+    progress: bool = False,
+) -> GenerationResult:
+    """Generate up to `max_new_tokens` for every prompt (token ids); rows stop at a stop id."""
+    if max_new_tokens < 1:
+        raise UserError("max_new_tokens must be at least 1")
+    lengths = [len(p) for p in prompts]
+    check_context(cfg, lengths, max_new_tokens)
+    width = bucket(max(lengths))
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    # Cache covers the prompt bucket (prefill writes padding there) and every generated token.
+    max_len = bucket(max(width, max(lengths) + max_new_tokens), minimum=64)
+    stop = tuple(sorted(set(int(s) for s in stop_ids)))
+
+    args = (params, cfg, jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32), jax.random.key(seed))
+    statics = dict(sampling=sampling, max_len=max_len, max_new=max_new_tokens, stop_ids=stop)
+    t0 = time.perf_counter()
+    run_prefill = _compiled(prefill, args, statics)
+    state_shape = run_prefill.out_info
+    run_chunk = _compiled(decode_chunk, (params, cfg, state_shape),
+                          dict(sampling=sampling, stop_ids=stop, steps=chunk))
+    compile_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    state = run_prefill(params, *args[2:])
+    jax.block_until_ready(state)
+    t1 = time.perf_counter()
+    bar = tqdm(total=max_new_tokens, disable=not progress, unit="tok", desc="decode", leave=False)
+    bar.update(1)
+    while True:
+        step, done = int(state.step), bool(jnp.all(state.done))
+        if done or step >= max_new_tokens:
+            break
+        state = run_chunk(params, state)
+        bar.update(int(state.step) - step)
+    bar.close()
+    output, counts = np.asarray(state.output), np.asarray(state.num_generated)
+    t2 = time.perf_counter()
+    return GenerationResult([output[i, : counts[i]].tolist() for i in range(len(prompts))],
+                            t1 - t0, t2 - t1, compile_s)
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(fn, args, statics):
+    """Ahead-of-time compile `fn` for these argument shapes (cached), so timings exclude XLA."""
+    cfg = args[1]
+    leaves, treedef = jax.tree.flatten(args[2:])
+    key = (fn.__name__, cfg, treedef, tuple((a.shape, str(a.dtype)) for a in leaves),
+           tuple(sorted(statics.items())))
+    if key not in _COMPILED:
+        _COMPILED[key] = fn.lower(*args, **statics).compile()
+    return _COMPILED[key]

@@ -1,0 +1,50 @@
+"""Logit processing and token sampling, shared by plain generation and speculative verification.
+
+Lossless speculative decoding needs the draft and target distributions processed identically
+(temperature, then top-k, then top-p), so both go through `processed_log_probs`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def processed_log_probs(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """Log-probabilities after temperature, top-k and top-p (masked entries are -inf). [..., V]."""
+    logits = logits.astype(jnp.float32)
+    if cfg.greedy:
+        return jax.nn.log_softmax(logits, axis=-1)
+    logits = logits / cfg.temperature
+    if cfg.top_k > 0 and cfg.top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, cfg.top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if cfg.top_p < 1.0:
+        # Keep the smallest set of most likely tokens whose mass reaches top_p (always >= 1 token).
+        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        cutoff_index = jnp.sum(mass_before < cfg.top_p, axis=-1, keepdims=True) - 1
+        cutoff = jnp.take_along_axis(sorted_logits, cutoff_index, axis=-1)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.nn.log_softmax(logits, axis=-1)
+
+
+def sample(key: jax.Array, logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """One token per leading index: argmax when greedy, else a draw from the processed distribution."""
+    if cfg.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, processed_log_probs(logits, cfg), axis=-1).astype(jnp.int32)

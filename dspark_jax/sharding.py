@@ -1,0 +1,79 @@
+"""The one table from logical axis names to mesh axes, and helpers that apply it.
+
+Model code names the axes of its arrays logically ("batch", "heads", "mlp", ...); this module alone
+decides which mesh axis each maps to. A dimension that the mapped mesh axis does not divide is
+replicated instead (e.g. SmolLM2's 3 KV heads on a 4-way tensor axis).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+LOGICAL_TO_MESH: dict[str, str | tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp"),  # activations, caches and data batches
+    "vocab": "tensor",
+    "embed": "fsdp",  # the model dimension of weights: sharded only when training with FSDP
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "layers": None,
+    "seq": None,
+    "head_dim": None,
+}
+
+
+def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices: Sequence | None = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh; -1 for one axis means "all remaining devices"."""
+    devices = list(devices if devices is not None else jax.devices())
+    sizes = [data, fsdp, tensor]
+    if sizes.count(-1) > 1:
+        raise ValueError("at most one mesh axis may be -1")
+    if -1 in sizes:
+        known = int(np.prod([s for s in sizes if s != -1]))
+        sizes[sizes.index(-1)] = len(devices) // known
+    if int(np.prod(sizes)) != len(devices):
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} does not use all {len(devices)} devices")
+    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+
+
+def logical_spec(mesh: Mesh, axes: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec:
+    spec = []
+    used: set[str] = set()
+    for name, size in zip(axes, shape):
+        target = LOGICAL_TO_MESH.get(name) if name else None
+        mesh_axes = (target,) if isinstance(target, str) else tuple(target or ())
+        mesh_axes = tuple(a for a in mesh_axes if mesh.shape[a] > 1 and a not in used)
+        total = int(np.prod([mesh.shape[a] for a in mesh_axes])) if mesh_axes else 1
+        if not mesh_axes or size % total:
+            spec.append(None)
+            continue
+        used.update(mesh_axes)
+        spec.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+    return PartitionSpec(*spec)
+
+
+def tree_shardings(mesh: Mesh, logical_axes, shapes):
+    """NamedShardings for a pytree, given matching trees of logical axes and of shapes."""
+    return jax.tree.map(lambda axes, shape: NamedSharding(mesh, logical_spec(mesh, axes, shape)),
+                        logical_axes, shapes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def param_shardings(mesh: Mesh, cfg) -> dict:
+    from dspark_jax.models.decoder import param_logical_axes, param_shapes
+
+    return tree_shardings(mesh, param_logical_axes(cfg), param_shapes(cfg))
+
+
+def cache_shardings(mesh: Mesh, cache):
+    from dspark_jax.models.decoder import KVCache
+
+    kv = ("layers", "batch", "seq", "kv_heads", "head_dim")
+    return KVCache(NamedSharding(mesh, logical_spec(mesh, kv, cache.k.shape)),
+                   NamedSharding(mesh, logical_spec(mesh, kv, cache.v.shape)),
+                   NamedSharding(mesh, logical_spec(mesh, ("batch",), cache.lengths.shape)))

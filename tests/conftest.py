@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny random Hugging Face models saved to disk, loaded by our loader."""
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Several fake CPU devices for the sharding tests; must be set before JAX initialises.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def tiny_hf_config(family: str):
+    import transformers
+
+    if family == "llama":
+        return transformers.LlamaConfig(**TINY, rope_theta=10000.0, tie_word_embeddings=False)
+    if family == "llama3":
+        return transformers.LlamaConfig(
+            **TINY, tie_word_embeddings=True,
+            rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                              original_max_position_embeddings=64), rope_theta=500000.0)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**TINY, tie_word_embeddings=True)
+    if family == "qwen3":
+        return transformers.Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False)
+    raise ValueError(family)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tmp_path_factory):
+    """Return a function family -> (folder, torch model) with random weights saved as safetensors."""
+    import torch
+    import transformers
+
+    cache = {}
+
+    def make(family: str):
+        if family not in cache:
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(family)).eval()
+            with torch.no_grad():  # non-trivial norms so a dropped norm weight would show
+                for name, p in model.named_parameters():
+                    if "norm" in name:
+                        p.add_(0.1 * torch.randn_like(p))
+            folder = tmp_path_factory.mktemp(f"tiny-{family}")
+            model.save_pretrained(folder, safe_serialization=True)
+            cache[family] = (str(folder), model)
+        return cache[family]
+
+    return make
+
+
+def random_tokens(rng: np.random.Generator, batch: int, length: int, vocab: int) -> np.ndarray:
+    return rng.integers(0, vocab, size=(batch, length), dtype=np.int32)
