@@ -56,3 +56,32 @@ def tiny_hf_model(tmp_path_factory):
 
 def random_tokens(rng: np.random.Generator, batch: int, length: int, vocab: int) -> np.ndarray:
     return rng.integers(0, vocab, size=(batch, length), dtype=np.int32)
+
+
+WORDS = ["<unk>", "<|im_start|>", "<|im_end|>"] + [f"w{i}" for i in range(125)]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+
+
+def save_tiny_tokenizer(folder) -> None:
+    """A 128-word whitespace tokenizer with a ChatML-like template (enough for CLI tests)."""
+    import json
+
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+
+    tk = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.add_special_tokens([tokenizers.AddedToken(w, special=True) for w in WORDS[:3]])
+    tk.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None}, f)
+
+
+@pytest.fixture(scope="session")
+def tiny_target_folder(tiny_hf_model):
+    """A complete tiny Llama checkpoint folder (weights + tokenizer + chat template)."""
+    folder, _ = tiny_hf_model("llama")
+    if not os.path.exists(os.path.join(folder, "tokenizer.json")):
+        save_tiny_tokenizer(folder)
+    return folder

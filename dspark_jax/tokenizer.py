@@ -1,0 +1,341 @@
+"""Text <-> token ids and chat prompts, from a Hugging Face folder or from a GGUF file's metadata.
+
+`Tokenizer` wraps a `tokenizers.Tokenizer` (the Rust fast tokenizer) plus the model's chat
+template. Chat templates are rendered with jinja2 in the same environment transformers uses
+(sandboxed, `trim_blocks`, `lstrip_blocks`, loop controls, a `tojson` that does not escape HTML,
+`raise_exception` / `strftime_now` globals, the special tokens as variables), so that the prompt
+string is byte-identical to `tokenizer.apply_chat_template(..., tokenize=False)`.
+
+GGUF files carry no tokenizer.json, only the vocabulary, the merges, token types and the name of
+llama.cpp's pre-tokenizer (`tokenizer.ggml.pre`); `_GGUF_PRE_TOKENIZERS` rebuilds the original
+model's pipeline for each name we support. Where transformers' own GGUF conversion differs from
+the original model, we follow the original model:
+
+* "smollm" (SmolLM / SmolLM2): the original tokenizer.json splits every digit on its own
+  (`Digits(individual_digits=True)`) before the GPT-2 byte-level regex, as does llama.cpp's
+  "smollm" pre-tokenizer. transformers' GGUF conversion (5.x) uses the plain GPT-2 byte-level
+  regex. The vocabulary has no multi-digit tokens, so the two agree on most text, but a run of
+  two or more spaces before a digit differs: "x =  12" is [..., "ĠĠ", "1", "2"] in the original
+  model and [..., "Ġ", "Ġ", "1", "2"] in transformers' GGUF tokenizer.
+* "qwen2": the original tokenizer NFC-normalises text first; transformers' GGUF conversion does not.
+* "llama-bpe" (Llama 3): the original BPE has `ignore_merges=True` (whole-word vocabulary hits win),
+  as in llama.cpp.
+
+"default" and "gpt-2" use GPT-2's byte-level regex, like transformers (llama.cpp's "default"
+splitting is its own and matches no Hugging Face tokenizer). Sentencepiece ("llama") GGUF
+vocabularies are not supported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from datetime import datetime
+from typing import Any, Iterable, Sequence
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+
+from dspark_jax.errors import UserError
+
+# llama.cpp token types (gguf.TokenType)
+_CONTROL, _USER_DEFINED = 3, 4
+
+# The named special tokens transformers exposes to chat templates as variables.
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                        "mask_token")
+
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@dataclasses.dataclass(frozen=True)
+class _PreTokenizerSpec:
+    """How the original model splits text before BPE (normalizer, pre-tokenizer, BPE flag)."""
+
+    split_regex: str | None  # None: GPT-2's regex inside ByteLevel
+    individual_digits: bool = False
+    nfc: bool = False
+    ignore_merges: bool = False
+
+
+_GPT2_SPEC = _PreTokenizerSpec(None)
+_LLAMA3_SPEC = _PreTokenizerSpec(_LLAMA3_SPLIT, ignore_merges=True)
+_GGUF_PRE_TOKENIZERS = {
+    "smollm": _PreTokenizerSpec(None, individual_digits=True),
+    "gpt-2": _GPT2_SPEC,
+    "default": _GPT2_SPEC,
+    "llama-bpe": _LLAMA3_SPEC,
+    "llama3": _LLAMA3_SPEC,
+    "llama-v3": _LLAMA3_SPEC,
+    "qwen2": _PreTokenizerSpec(_QWEN2_SPLIT, nfc=True),
+}
+
+
+class Tokenizer:
+    """A fast tokenizer plus chat template and the ids generation needs (EOS set, BOS, PAD)."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, chat_template: str | None,
+                 special_tokens: dict[str, str], eos_token_ids: Iterable[int],
+                 bos_token_id: int | None = None, pad_token_id: int | None = None):
+        self.backend = backend
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens)  # e.g. {"bos_token": "<s>"}: template variables
+        self._eos = tuple(dict.fromkeys(int(i) for i in eos_token_ids))  # ordered, no duplicates
+        self._bos = bos_token_id
+        self._pad = pad_token_id
+
+    # ---------------------------------------------------------------- construction
+
+    @classmethod
+    def from_hf_folder(cls, folder: str) -> "Tokenizer":
+        """tokenizer.json + tokenizer_config.json (+ chat_template.jinja, generation_config.json)."""
+        path = os.path.join(folder, "tokenizer.json")
+        if not os.path.exists(path):
+            raise UserError(f"missing file {path}")
+        try:
+            backend = tokenizers.Tokenizer.from_file(path)
+        except Exception as e:  # noqa: BLE001 - the Rust side raises plain Exception on bad JSON
+            raise UserError(f"corrupt tokenizer file {path}: {e}") from None
+        config = _read_optional_json(os.path.join(folder, "tokenizer_config.json"))
+        generation = _read_optional_json(os.path.join(folder, "generation_config.json"))
+        special = {name: _token_content(config[name]) for name in _SPECIAL_TOKEN_NAMES
+                   if config.get(name) is not None}
+
+        def token_id(name: str) -> int | None:
+            return backend.token_to_id(special[name]) if name in special else None
+
+        eos = [token_id("eos_token"), *_as_list(generation.get("eos_token_id"))]
+        bos = token_id("bos_token")
+        pad = token_id("pad_token")
+        return cls(backend, _hf_chat_template(folder, config), special,
+                   [i for i in eos if i is not None],
+                   bos if bos is not None else generation.get("bos_token_id"),
+                   pad if pad is not None else generation.get("pad_token_id"))
+
+    @classmethod
+    def from_gguf(cls, reader_or_path) -> "Tokenizer":
+        """Rebuild the tokenizer described by a GGUF file's `tokenizer.*` metadata."""
+        from dspark_jax.checkpoints.gguf import gguf_metadata, open_gguf  # gguf.py imports us
+
+        if isinstance(reader_or_path, (str, os.PathLike)):
+            reader, source = open_gguf(reader_or_path), os.fspath(reader_or_path)
+        else:
+            reader, source = reader_or_path, str(reader_or_path.data.filename)
+        return cls.from_gguf_metadata(gguf_metadata(reader), source=source)
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any], source: str = "GGUF") -> "Tokenizer":
+        kind = meta.get("tokenizer.ggml.model")
+        if kind is None:
+            raise UserError(f"{source}: no tokenizer in the GGUF metadata (tokenizer.ggml.model is missing)")
+        if kind != "gpt2":
+            raise UserError(f"{source}: unsupported GGUF tokenizer model {kind!r} "
+                            f"(supported: 'gpt2' byte-level BPE; sentencepiece 'llama' is not)")
+        tokens = list(meta.get("tokenizer.ggml.tokens") or [])
+        if not tokens:
+            raise UserError(f"{source}: the GGUF tokenizer has no tokens")
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        if pre not in _GGUF_PRE_TOKENIZERS:
+            raise UserError(f"{source}: unsupported GGUF pre-tokenizer {pre!r} "
+                            f"(supported: {', '.join(sorted(_GGUF_PRE_TOKENIZERS))})")
+        types = list(meta.get("tokenizer.ggml.token_type") or [])
+        ids = {key: meta.get(f"tokenizer.ggml.{key}_token_id")
+               for key in ("bos", "eos", "unknown", "padding", "eot", "eom")}
+        for key, i in ids.items():
+            if i is not None and not 0 <= i < len(tokens):
+                raise UserError(f"{source}: tokenizer.ggml.{key}_token_id={i} is outside the vocabulary")
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+        backend = _byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges") or [], types,
+                                  _GGUF_PRE_TOKENIZERS[pre], ids["bos"] if add_bos else None, source)
+        names = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
+        special = {name: tokens[ids[key]] for name, key in names.items() if ids[key] is not None}
+        # llama.cpp stops on EOS and on the end-of-turn / end-of-message tokens when they exist.
+        eos = [ids[k] for k in ("eos", "eot", "eom") if ids[k] is not None]
+        return cls(backend, meta.get("tokenizer.chat_template"), special, eos, ids["bos"], ids["padding"])
+
+    # ---------------------------------------------------------------- API
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._pad
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with no BOS/EOS added (chat templates write their own)."""
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise UserError("this tokenizer has no chat template")
+        return render_chat_template(self.chat_template, messages, add_generation_prompt, self.special_tokens)
+
+    def chat_prompt_ids(self, user_text: str) -> list[int]:
+        """Prompt ids for one user turn: the chat template if there is one, else the plain text
+        with whatever special tokens the tokenizer itself adds (e.g. a BOS)."""
+        if self.chat_template is None:
+            return self.backend.encode(user_text, add_special_tokens=True).ids
+        return self.encode(self.apply_chat_template([{"role": "user", "content": user_text}]))
+
+
+# -------------------------------------------------------------------- chat templates
+
+
+def render_chat_template(template: str, messages: Sequence[dict], add_generation_prompt: bool = True,
+                         special_tokens: dict[str, str] | None = None) -> str:
+    """Render like transformers' `apply_chat_template(messages, tokenize=False)`."""
+    # transformers drops keys whose value is None (an API's `content=None`) before rendering.
+    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    try:
+        return _compile_chat_template(template).render(
+            messages=messages, tools=None, documents=None,
+            add_generation_prompt=add_generation_prompt, **(special_tokens or {}))
+    except jinja2.TemplateError as e:  # includes the template's own raise_exception(...)
+        raise UserError(f"chat template error: {e}") from None
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; for
+    rendering it is transparent, but the tag must parse."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # jinja's own tojson HTML-escapes (<, >, &, '); chat templates expect plain JSON.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=32)
+def _compile_chat_template(template: str) -> jinja2.Template:
+    # Templates come from model files, i.e. untrusted: sandboxed, immutable environment.
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise UserError(f"invalid chat template (line {e.lineno}): {e.message}") from None
+
+
+# -------------------------------------------------------------------- Hugging Face folders
+
+
+def _read_optional_json(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"corrupt JSON in {path}: {e}") from None
+
+
+def _token_content(token) -> str:
+    # tokenizer_config.json writes special tokens as strings or as serialised AddedTokens.
+    return token["content"] if isinstance(token, dict) else str(token)
+
+
+def _as_list(value) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _hf_chat_template(folder: str, config: dict) -> str | None:
+    """chat_template.jinja (transformers 5 saves it there) wins over tokenizer_config.json's."""
+    path = os.path.join(folder, "chat_template.jinja")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        return named.get("default")
+    return template
+
+
+# -------------------------------------------------------------------- GGUF vocabularies
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], types: list[int], spec: _PreTokenizerSpec,
+                    bos_to_add: int | None, source: str) -> tokenizers.Tokenizer:
+    vocab: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        vocab.setdefault(token, i)
+    pairs = []
+    for merge in merges:
+        # Split at the first space after the first character, as llama.cpp does.
+        cut = merge.find(" ", 1)
+        if cut < 0:
+            raise UserError(f"{source}: corrupt GGUF merge {merge!r}")
+        pairs.append((merge[:cut], merge[cut + 1:]))
+    try:
+        model = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
+                           ignore_merges=spec.ignore_merges)
+    except Exception as e:  # noqa: BLE001 - merges naming tokens outside the vocabulary
+        raise UserError(f"{source}: inconsistent GGUF vocabulary/merges: {e}") from None
+    backend = tokenizers.Tokenizer(model)
+    if spec.nfc:
+        backend.normalizer = normalizers.NFC()
+    steps = []
+    if spec.individual_digits:
+        steps.append(pre_tokenizers.Digits(individual_digits=True))
+    if spec.split_regex is not None:
+        steps.append(pre_tokenizers.Split(Regex(spec.split_regex), behavior="isolated", invert=False))
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=spec.split_regex is None))
+    backend.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
+    backend.decoder = decoders.ByteLevel()
+    post = [processors.ByteLevel(trim_offsets=False)]
+    if bos_to_add is not None:
+        bos = tokens[bos_to_add]
+        post.append(processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                  special_tokens=[(bos, bos_to_add)]))
+    backend.post_processor = processors.Sequence(post)
+    # Control tokens (<|im_start|>, ...) and user-defined ones (<think>, ...) match whole in raw
+    # text; only control tokens are "special" (dropped by decode(skip_special_tokens=True)).
+    added = [AddedToken(tokens[i], special=t == _CONTROL, normalized=False)
+             for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED) and vocab.get(tokens[i]) == i]
+    backend.add_special_tokens([a for a in added if a.special])
+    backend.add_tokens([a for a in added if not a.special])
+    return backend

@@ -1,0 +1,114 @@
+"""`python -m dspark_jax.decode`: JSON output, and one clear line + exit 2 for every bad input."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from dspark_jax import decode
+
+
+def run(capsys, *argv):
+    code = decode.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_fails(capsys, message, *argv):
+    code, out, err = run(capsys, *argv)
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_json_output_on_tiny_target(capsys, tiny_target_folder):
+    code, out, _ = run(capsys, "--target", tiny_target_folder, "--prompt", "w5 w6 w7", "--prompt", "w9",
+                       "--max-new-tokens", "6", "--json")
+    assert code == 0
+    records = [json.loads(line) for line in out.strip().splitlines()]
+    assert [r["prompt"] for r in records] == ["w5 w6 w7", "w9"]
+    # chat template applied: <|im_start|> user(unk) w5 w6 w7 <|im_end|> <|im_start|> assistant(unk)
+    assert records[0]["prompt_token_ids"] == [1, 0, 8, 9, 10, 2, 1, 0]
+    assert records[1]["prompt_token_ids"] == [1, 0, 12, 2, 1, 0]
+    for r in records:
+        assert r["num_tokens"] == len(r["token_ids"]) and 1 <= r["num_tokens"] <= 6
+        assert r["wall_s"] > 0 and r["tokens_per_s"] > 0 and isinstance(r["text"], str)
+
+
+def test_prompts_file(capsys, tiny_target_folder, tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"turns": ["w1 w2", "ignored second turn"]}) + "\n\n" + json.dumps({"turns": ["w3"]}) + "\n")
+    code, out, _ = run(capsys, "--target", tiny_target_folder, "--prompts-file", str(f), "--max-new-tokens", "3",
+                       "--json", "--raw")
+    assert code == 0
+    records = [json.loads(line) for line in out.strip().splitlines()]
+    assert [r["prompt_token_ids"] for r in records] == [[4, 5], [6]]
+
+
+def test_unknown_target_lists_known(capsys):
+    assert_fails(capsys, "unknown target 'nope': use one of smollm2-135m", "--target", "nope", "--prompt", "hi")
+
+
+def test_empty_prompt(capsys, tiny_target_folder):
+    assert_fails(capsys, "prompt 2 is empty", "--target", tiny_target_folder, "--prompt", "w1", "--prompt", "  ")
+
+
+def test_no_prompt(capsys):
+    assert_fails(capsys, "give at least one --prompt", "--max-new-tokens", "4")
+
+
+def test_missing_checkpoint_file(capsys, tmp_path):
+    assert_fails(capsys, "missing.gguf", "--target", str(tmp_path / "missing.gguf"), "--prompt", "hi")
+    assert_fails(capsys, "missing file", "--target", str(tmp_path), "--prompt", "hi")  # no config.json
+
+
+def test_folder_without_weights(capsys, tiny_target_folder, tmp_path):
+    folder = tmp_path / "noweights"
+    shutil.copytree(tiny_target_folder, folder)
+    (folder / "model.safetensors").unlink()
+    assert_fails(capsys, "no *.safetensors weights", "--target", str(folder), "--prompt", "w1")
+
+
+def test_corrupt_safetensors(capsys, tiny_target_folder, tmp_path):
+    folder = tmp_path / "corrupt"
+    shutil.copytree(tiny_target_folder, folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert_fails(capsys, "corrupt safetensors file", "--target", str(folder), "--prompt", "w1")
+
+
+def test_corrupt_gguf(capsys, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(64))
+    code, _, err = run(capsys, "--target", str(bad), "--prompt", "hi")
+    assert code == 2 and err.startswith("error: ") and "Traceback" not in err
+
+
+def test_unsupported_architecture(capsys, tiny_target_folder, tmp_path):
+    folder = tmp_path / "gpt2"
+    shutil.copytree(tiny_target_folder, folder)
+    (folder / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    assert_fails(capsys, "unsupported architecture ['GPT2LMHeadModel']", "--target", str(folder), "--prompt", "w1")
+
+
+def test_prompt_longer_than_context(capsys, tiny_target_folder):
+    long_prompt = " ".join(["w3"] * 300)
+    assert_fails(capsys, "exceeds the model's context of 256 tokens", "--target", tiny_target_folder,
+                 "--prompt", long_prompt)
+
+
+def test_bad_numbers(capsys):
+    assert_fails(capsys, "--max-new-tokens must be at least 1", "--prompt", "x", "--max-new-tokens", "0")
+    assert_fails(capsys, "0 < --top-p <= 1", "--prompt", "x", "--top-p", "0")
+
+
+def test_subprocess_exit_code_and_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "dspark_jax.decode", "--target", "nope", "--prompt", "x"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: unknown target 'nope': use one of smollm2-135m, a Hugging Face checkpoint folder or a .gguf file"]
