@@ -143,6 +143,46 @@ def mlp(lp: dict, x: jax.Array) -> jax.Array:
     return (jax.nn.silu(x @ lp["w_gate"]) * (x @ lp["w_up"])) @ lp["w_down"]
 
 
+def decoder_layer(lp: dict, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array, attend):
+    """One pre-norm decoder layer. `attend(lp, q, k, v) -> (out [B, T, H*D], aux)` supplies the
+    attention of the caller's setting: a KV cache, packed training sequences, or the drafter's
+    injected target context. Everything else about a layer lives here once."""
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = project_qkv(lp, cfg, h, cos, sin)
+    out, aux = attend(lp, q, k, v)
+    x = x + out @ lp["wo"]
+    return x + mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)), aux
+
+
+def _run_layers(params: dict, cfg: ModelConfig, x: jax.Array, cos, sin, attend, carry, tap_layers):
+    """Scan the stacked layers; also collect the residual stream after each tap layer.
+
+    Tap layer l means "after the l-th decoder layer" (0 = the embeddings), i.e. Hugging Face's
+    `hidden_states[l]`. Only the requested layers are kept (not all L of them).
+    """
+    taps = jnp.zeros((len(tap_layers),) + x.shape, x.dtype) if tap_layers else None
+    slot_of = np.full(cfg.num_layers + 1, -1, np.int32)
+    for slot, layer in enumerate(tap_layers):
+        slot_of[layer] = slot
+    slot_of = jnp.asarray(slot_of)
+
+    def keep(taps, x, layer):
+        if taps is None:
+            return None
+        slot = slot_of[layer]
+        safe = jnp.maximum(slot, 0)
+        value = jnp.where(slot >= 0, x, jax.lax.dynamic_index_in_dim(taps, safe, 0, keepdims=False))
+        return jax.lax.dynamic_update_index_in_dim(taps, value, safe, 0)
+
+    def body(state, lp):
+        x, carry, taps, i = state
+        x, carry = decoder_layer(lp, cfg, x, cos, sin, lambda lp, q, k, v: attend(lp, q, k, v, carry, i))
+        return (x, carry, keep(taps, x, i + 1), i + 1), None
+
+    (x, carry, taps, _), _ = jax.lax.scan(body, (x, carry, keep(taps, x, 0), jnp.int32(0)), params["layers"])
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), carry, taps
+
+
 def forward(
     params: dict,
     cfg: ModelConfig,
@@ -155,39 +195,54 @@ def forward(
 
     tokens: [B, T] int; entries past num_new[b] are padding (their outputs are meaningless).
     Returns (final-normed hidden states [B, T, d], updated cache, taps) where taps is
-    [len(tap_layers), B, T, d] holding the residual stream after each listed decoder layer
-    (1-based: layer l = after the l-th decoder layer; 0 = the embeddings), or None.
+    [len(tap_layers), B, T, d], the residual stream after each listed layer (see `_run_layers`),
+    or None.
     """
     B, T = tokens.shape
     positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
     key_pos = jnp.arange(cache.max_len, dtype=jnp.int32)
     visible = key_pos[None, None, :] <= positions[:, :, None]  # causal over the whole cache
-    cos, sin = rope_tables(cfg, positions)
     rows = jnp.arange(B)[:, None]
-    x = params["embed"][tokens].astype(cfg.dtype)
 
-    def layer(carry, lp):
-        x, k_all, v_all, i = carry
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k_new, v_new = project_qkv(lp, cfg, h, cos, sin)
+    def attend(lp, q, k_new, v_new, kv, i):
+        k_all, v_all = kv
         # Scatter the new keys/values at each row's own positions; past the end is dropped.
         k_layer = k_all[i].at[rows, positions].set(k_new, mode="drop")
         v_layer = v_all[i].at[rows, positions].set(v_new, mode="drop")
-        x = x + attention(q, k_layer, v_layer, visible) @ lp["wo"]
-        x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
-        k_all = jax.lax.dynamic_update_index_in_dim(k_all, k_layer, i, 0)
-        v_all = jax.lax.dynamic_update_index_in_dim(v_all, v_layer, i, 0)
-        return (x, k_all, v_all, i + 1), (x if tap_layers else None)
+        out = attention(q, k_layer, v_layer, visible)
+        return out, (jax.lax.dynamic_update_index_in_dim(k_all, k_layer, i, 0),
+                     jax.lax.dynamic_update_index_in_dim(v_all, v_layer, i, 0))
 
-    (x, k_all, v_all, _), per_layer = jax.lax.scan(
-        layer, (x, cache.k, cache.v, jnp.int32(0)), params["layers"])
-    taps = None
-    if tap_layers:
-        with_embed = jnp.concatenate([params["embed"][tokens].astype(cfg.dtype)[None], per_layer], 0)
-        taps = with_embed[jnp.asarray(tap_layers)]
-    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    new_cache = KVCache(k_all, v_all, cache.lengths + num_new.astype(jnp.int32))
-    return hidden, new_cache, taps
+    cos, sin = rope_tables(cfg, positions)
+    x = params["embed"][tokens].astype(cfg.dtype)
+    hidden, (k_all, v_all), taps = _run_layers(params, cfg, x, cos, sin, attend, (cache.k, cache.v), tap_layers)
+    return hidden, KVCache(k_all, v_all, cache.lengths + num_new.astype(jnp.int32)), taps
+
+
+def forward_packed(
+    params: dict,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    tap_layers: Sequence[int] = (),
+) -> tuple[jax.Array, jax.Array | None]:
+    """Full forward over rows that pack several sequences (training; no cache).
+
+    tokens, positions, segment_ids: [B, S]. A token attends causally to earlier slots of its own
+    segment only; RoPE uses its position within its own sequence. Returns (hidden, taps).
+    """
+    S = tokens.shape[1]
+    slot = jnp.arange(S)
+    visible = (slot[None, None, :] <= slot[None, :, None]) & (segment_ids[:, :, None] == segment_ids[:, None, :])
+
+    def attend(lp, q, k, v, carry, i):
+        return attention(q, k, v, visible), carry
+
+    cos, sin = rope_tables(cfg, positions)
+    x = params["embed"][tokens].astype(cfg.dtype)
+    hidden, _, taps = _run_layers(params, cfg, x, cos, sin, attend, None, tap_layers)
+    return hidden, taps
 
 
 def logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

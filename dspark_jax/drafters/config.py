@@ -1,0 +1,89 @@
+"""Drafter configuration: one frozen dataclass for DSpark (Markov / RNN head), DFlash (head off)
+and Eagle3, plus the identity of the target the drafter belongs to."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dspark_jax.errors import UserError
+from dspark_jax.models.config import ModelConfig, RopeScaling
+
+KINDS = ("dspark", "eagle3")
+HEADS = ("markov", "rnn", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    kind: str  # "dspark" (DFlash = dspark with head="none", confidence=False) | "eagle3"
+    # Draft decoder layers (shaped like a Qwen3 layer: RMSNorm, q/k-norm attention with RoPE, SwiGLU).
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    qk_norm: bool = True
+    # Target taps: DeepSpec's 0-based decoder-layer ids; our decoder's tap index is id + 1
+    # (the residual stream AFTER that layer, Hugging Face's hidden_states[id + 1]).
+    target_layer_ids: tuple[int, ...] = ()
+    # DSpark / DFlash
+    block_size: int = 7  # gamma: draft slots per block (slot 0 holds the anchor)
+    mask_token_id: int | None = None  # embedding of this target token id fills the MASK slots
+    head: str = "markov"  # sequential head: "markov" | "rnn" | "none"
+    markov_rank: int = 0  # r; 0 with head="none" is DFlash
+    confidence: bool = True
+    confidence_with_markov: bool = True  # confidence input [h; W1[prev]] (else h alone)
+    # Eagle3
+    ttt_steps: int = 7  # training-time-test unroll length
+    ttt_decay: float = 0.8  # step loss weights decay**i
+    # The target this drafter belongs to (checked at load time).
+    target_name: str = ""
+    target_vocab_size: int = 0
+    target_hidden_size: int = 0
+    target_num_layers: int = 0
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise UserError(f"unknown drafter kind {self.kind!r} (known: {', '.join(KINDS)})")
+        if self.head not in HEADS:
+            raise UserError(f"unknown sequential head {self.head!r} (known: {', '.join(HEADS)})")
+        if self.head != "none" and self.markov_rank <= 0:
+            raise UserError(f"head={self.head!r} needs markov_rank > 0")
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        """Tap indices for `decoder.forward(..., tap_layers=...)`."""
+        return tuple(i + 1 for i in self.target_layer_ids)
+
+    @property
+    def uses_markov_table(self) -> bool:
+        return self.head != "none" and self.markov_rank > 0
+
+    def layer_config(self) -> ModelConfig:
+        """The draft layers as a decoder ModelConfig, so `decoder.decoder_layer` and friends serve them."""
+        return ModelConfig(
+            family="qwen3" if self.qk_norm else "llama", vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size, num_layers=self.num_layers, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, intermediate_size=self.intermediate_size,
+            max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta, rope_scaling=self.rope_scaling, qk_norm=self.qk_norm)
+
+    def check_target(self, target: ModelConfig, target_name: str = "") -> None:
+        """A drafter used with a target it was not trained for is a clear error, not a shape crash."""
+        want = (self.target_vocab_size, self.target_hidden_size, self.target_num_layers)
+        have = (target.vocab_size, target.hidden_size, target.num_layers)
+        if want != have:
+            raise UserError(
+                f"drafter was trained for target {self.target_name or '?'} (vocab {want[0]}, hidden {want[1]}, "
+                f"{want[2]} layers) but the target {target_name or ''} has vocab {have[0]}, hidden {have[1]}, "
+                f"{have[2]} layers")
+        if max(self.tap_layers, default=0) > target.num_layers:
+            raise UserError(f"drafter taps target layers {self.target_layer_ids}, target has {target.num_layers}")
+
+    def replace(self, **kw) -> "DrafterConfig":
+        return dataclasses.replace(self, **kw)
