@@ -81,11 +81,16 @@ def assemble_params(
             missing = sorted(set(range(expected)) - seen[path]) if path.startswith("layers/") else []
             where = f" (layers {missing[:5]}{'...' if len(missing) > 5 else ''})" if missing else ""
             raise UserError(f"{source}: checkpoint does not set parameter {path}{where}")
+    return nest(out, "/")
+
+
+def nest(flat: dict, sep: str) -> dict:
+    """{"a/b": x} -> {"a": {"b": x}} (the inverse of flattening a params dict by path)."""
     tree: dict = {}
-    for path, array in out.items():
+    for path, value in flat.items():
         node = tree
-        *parents, leaf = path.split("/")
+        *parents, leaf = path.split(sep)
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = array
+        node[leaf] = value
     return tree

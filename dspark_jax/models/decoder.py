@@ -154,7 +154,7 @@ def decoder_layer(lp: dict, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin:
     return x + mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)), aux
 
 
-def _run_layers(params: dict, cfg: ModelConfig, x: jax.Array, cos, sin, attend, carry, tap_layers):
+def run_layers(params: dict, cfg: ModelConfig, x: jax.Array, cos, sin, attend, carry, tap_layers):
     """Scan the stacked layers; also collect the residual stream after each tap layer.
 
     Tap layer l means "after the l-th decoder layer" (0 = the embeddings), i.e. Hugging Face's
@@ -195,7 +195,7 @@ def forward(
 
     tokens: [B, T] int; entries past num_new[b] are padding (their outputs are meaningless).
     Returns (final-normed hidden states [B, T, d], updated cache, taps) where taps is
-    [len(tap_layers), B, T, d], the residual stream after each listed layer (see `_run_layers`),
+    [len(tap_layers), B, T, d], the residual stream after each listed layer (see `run_layers`),
     or None.
     """
     B, T = tokens.shape
@@ -215,7 +215,7 @@ def forward(
 
     cos, sin = rope_tables(cfg, positions)
     x = params["embed"][tokens].astype(cfg.dtype)
-    hidden, (k_all, v_all), taps = _run_layers(params, cfg, x, cos, sin, attend, (cache.k, cache.v), tap_layers)
+    hidden, (k_all, v_all), taps = run_layers(params, cfg, x, cos, sin, attend, (cache.k, cache.v), tap_layers)
     return hidden, KVCache(k_all, v_all, cache.lengths + num_new.astype(jnp.int32)), taps
 
 
@@ -241,7 +241,7 @@ def forward_packed(
 
     cos, sin = rope_tables(cfg, positions)
     x = params["embed"][tokens].astype(cfg.dtype)
-    hidden, _, taps = _run_layers(params, cfg, x, cos, sin, attend, None, tap_layers)
+    hidden, _, taps = run_layers(params, cfg, x, cos, sin, attend, None, tap_layers)
     return hidden, taps
 
 

@@ -1,0 +1,106 @@
+"""Our drafter checkpoint format: a folder with `drafter.safetensors` + `drafter.json`.
+
+The JSON records everything needed to use the drafter: its DrafterConfig (including the target it
+belongs to: name, vocab size, hidden size, layer count), the STS temperatures once calibrated, and
+free-form metadata (training recipe, metrics). Writes are atomic: a temporary folder is renamed into
+place, so a crash never leaves a half-written drafter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+
+import numpy as np
+
+from dspark_jax.checkpoints.assemble import nest
+from dspark_jax.drafters.config import DrafterConfig
+from dspark_jax.errors import UserError
+from dspark_jax.models.config import ModelConfig, RopeScaling
+
+WEIGHTS = "drafter.safetensors"
+META = "drafter.json"
+FORMAT_VERSION = 1
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, np.ndarray]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = np.asarray(v)
+    return out
+
+
+def save_drafter(path: str, cfg: DrafterConfig, params: dict, *, sts_temperatures=None, metadata=None,
+                 dtype: str = "float32") -> None:
+    """Write the drafter atomically (bf16 storage halves the size: `dtype="bfloat16"`)."""
+    from safetensors.numpy import save_file
+    import ml_dtypes
+
+    store = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
+    flat = {k: np.asarray(v, dtype=np.float32).astype(store) for k, v in _flatten(params).items()}
+    meta = {"format_version": FORMAT_VERSION, "config": dataclasses.asdict(cfg),
+            "sts_temperatures": None if sts_temperatures is None else [float(t) for t in sts_temperatures],
+            "metadata": metadata or {}}
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-drafter-", dir=parent)
+    try:
+        save_file(flat, os.path.join(tmp, WEIGHTS))
+        with open(os.path.join(tmp, META), "w") as f:
+            json.dump(meta, f, indent=1)
+        if os.path.exists(path):
+            old = tempfile.mkdtemp(prefix=".old-drafter-", dir=parent)
+            os.replace(path, os.path.join(old, "d"))
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@dataclasses.dataclass
+class LoadedDrafter:
+    config: DrafterConfig
+    params: dict
+    sts_temperatures: tuple[float, ...] | None
+    metadata: dict
+
+
+def load_drafter(path: str, target: ModelConfig | None = None, target_name: str = "") -> LoadedDrafter:
+    """Load a drafter folder; with `target`, check that the drafter belongs to it."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    meta_path, weights_path = os.path.join(path, META), os.path.join(path, WEIGHTS)
+    if not os.path.isdir(path) or not os.path.exists(meta_path):
+        raise UserError(f"no drafter checkpoint at {path} (expected {META} and {WEIGHTS})")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        raw = dict(meta["config"])
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise UserError(f"corrupt drafter metadata {meta_path}: {e}") from None
+    if raw.get("rope_scaling"):
+        raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
+    raw["target_layer_ids"] = tuple(raw.get("target_layer_ids", ()))
+    try:
+        cfg = DrafterConfig(**raw)
+    except TypeError as e:
+        raise UserError(f"drafter config in {meta_path} does not match this version: {e}") from None
+    try:
+        flat = load_file(weights_path)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"corrupt drafter weights {weights_path}: {e}") from None
+    if target is not None:
+        cfg.check_target(target, target_name)
+    params = nest({k: np.asarray(v, np.float32) for k, v in flat.items()}, ".")
+    temps = meta.get("sts_temperatures")
+    return LoadedDrafter(cfg, params, tuple(temps) if temps else None, meta.get("metadata", {}))

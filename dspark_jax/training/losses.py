@@ -1,0 +1,85 @@
+"""DSpark training objective (DESIGN.md 2.5) and the teacher-forced acceptance proxy.
+
+Every term is a weighted MEAN over valid block slots with per-slot weights w_k = exp(-(k-1)/g), so
+the loss scale does not depend on how many blocks a batch packs:
+    L = w_ce * CE(q, x*) + w_tv * ||q - p||_1 + w_conf * BCE(c, c*),   c* = sum_v min(q, p)
+q is the drafter's full semi-autoregressive distribution with the head fed the ground-truth
+previous token; p is the target's distribution at the same position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class LossWeights:
+    ce: float = 0.1
+    tv: float = 0.9
+    conf: float = 1.0
+    decay: float = 4.0  # g in w_k = exp(-(k-1)/g)
+
+    @classmethod
+    def dflash(cls, decay: float = 4.0) -> "LossWeights":
+        return cls(ce=1.0, tv=0.0, conf=0.0, decay=decay)
+
+
+def position_weights(block_size: int, decay: float) -> jax.Array:
+    return jnp.exp(-jnp.arange(block_size, dtype=jnp.float32) / decay)
+
+
+def acceptance_rate(draft_log_probs: jax.Array, target_log_probs: jax.Array) -> jax.Array:
+    """alpha = sum_v min(q, p) = 1 - 0.5 ||q - p||_1: the chance a draft from q survives verification."""
+    return jnp.sum(jnp.minimum(jnp.exp(draft_log_probs), jnp.exp(target_log_probs)), axis=-1)
+
+
+def expected_accept_length(alpha: jax.Array, mask: jax.Array) -> jax.Array:
+    """Teacher-forced tau proxy per block: 1 + sum_k prod_{i<=k} alpha_i (bonus included).
+
+    alpha, mask: [..., gamma]; a masked slot ends the block (nothing past it can be accepted).
+    """
+    survive = jnp.cumprod(jnp.where(mask, alpha, 0.0), axis=-1)
+    return 1.0 + jnp.sum(survive, axis=-1)
+
+
+def dspark_loss(outputs: dict, weights: LossWeights) -> tuple[jax.Array, dict]:
+    """outputs: draft_logits, target_logits [..., gamma, V]; labels, label_mask [..., gamma];
+    confidence_logits [..., gamma] (optional). Returns (loss, metrics)."""
+    mask = outputs["label_mask"].astype(jnp.float32)
+    w = position_weights(mask.shape[-1], weights.decay) * mask
+    denom = jnp.maximum(jnp.sum(w), 1e-6)
+    q_log = jax.nn.log_softmax(outputs["draft_logits"].astype(jnp.float32), axis=-1)
+    p_log = jax.lax.stop_gradient(jax.nn.log_softmax(outputs["target_logits"].astype(jnp.float32), axis=-1))
+    labels = outputs["labels"]
+    nll = -jnp.take_along_axis(q_log, labels[..., None], axis=-1)[..., 0]
+    tv = jnp.sum(jnp.abs(jnp.exp(q_log) - jnp.exp(p_log)), axis=-1)
+    alpha = 1.0 - 0.5 * tv
+    ce_loss = jnp.sum(w * nll) / denom
+    tv_loss = jnp.sum(w * tv) / denom
+    loss = weights.ce * ce_loss + weights.tv * tv_loss
+    metrics = {"loss_ce": ce_loss, "loss_tv": tv_loss}
+    if "confidence_logits" in outputs:
+        c_star = jax.lax.stop_gradient(alpha)
+        z = outputs["confidence_logits"].astype(jnp.float32)
+        bce = -(c_star * jax.nn.log_sigmoid(z) + (1.0 - c_star) * jax.nn.log_sigmoid(-z))
+        conf_loss = jnp.sum(w * bce) / denom
+        loss = loss + weights.conf * conf_loss
+        metrics["loss_conf"] = conf_loss
+    count = jnp.maximum(jnp.sum(mask, axis=tuple(range(mask.ndim - 1))), 1.0)
+    correct = (jnp.argmax(q_log, axis=-1) == labels) * mask
+    metrics.update(
+        loss=loss,
+        accuracy_per_position=jnp.sum(correct, axis=tuple(range(mask.ndim - 1))) / count,
+        acceptance_per_position=jnp.sum(alpha * mask, axis=tuple(range(mask.ndim - 1))) / count,
+        expected_tau=_block_mean(expected_accept_length(alpha, mask > 0), mask),
+    )
+    return loss, metrics
+
+
+def _block_mean(per_block: jax.Array, mask: jax.Array) -> jax.Array:
+    """Mean over blocks that have at least one supervised slot."""
+    has = jnp.any(mask > 0, axis=-1).astype(jnp.float32)
+    return jnp.sum(per_block * has) / jnp.maximum(jnp.sum(has), 1.0)
