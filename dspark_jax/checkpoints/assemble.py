@@ -84,6 +84,17 @@ def assemble_params(
     return nest(out, "/")
 
 
+def flatten(tree: dict, sep: str, prefix: str = "") -> dict:
+    """{"a": {"b": x}} -> {"a<sep>b": x}; only dicts are descended into."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, sep, f"{prefix}{k}{sep}"))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def nest(flat: dict, sep: str) -> dict:
     """{"a/b": x} -> {"a": {"b": x}} (the inverse of flattening a params dict by path)."""
     tree: dict = {}

@@ -16,7 +16,7 @@ import tempfile
 
 import numpy as np
 
-from dspark_jax.checkpoints.assemble import nest
+from dspark_jax.checkpoints.assemble import flatten, nest
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.errors import UserError
 from dspark_jax.models.config import ModelConfig, RopeScaling
@@ -26,16 +26,6 @@ META = "drafter.json"
 FORMAT_VERSION = 1
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, np.ndarray]:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = np.asarray(v)
-    return out
-
-
 def save_drafter(path: str, cfg: DrafterConfig, params: dict, *, sts_temperatures=None, metadata=None,
                  dtype: str = "float32") -> None:
     """Write the drafter atomically (bf16 storage halves the size: `dtype="bfloat16"`)."""
@@ -43,7 +33,7 @@ def save_drafter(path: str, cfg: DrafterConfig, params: dict, *, sts_temperature
     import ml_dtypes
 
     store = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
-    flat = {k: np.asarray(v, dtype=np.float32).astype(store) for k, v in _flatten(params).items()}
+    flat = {k: np.asarray(v, dtype=np.float32).astype(store) for k, v in flatten(params, ".").items()}
     meta = {"format_version": FORMAT_VERSION, "config": dataclasses.asdict(cfg),
             "sts_temperatures": None if sts_temperatures is None else [float(t) for t in sts_temperatures],
             "metadata": metadata or {}}
@@ -64,6 +54,16 @@ def save_drafter(path: str, cfg: DrafterConfig, params: dict, *, sts_temperature
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def param_shapes(cfg: DrafterConfig) -> dict:
+    if cfg.kind == "eagle3":
+        from dspark_jax.drafters.eagle3 import eagle3_param_shapes
+
+        return eagle3_param_shapes(cfg)
+    from dspark_jax.drafters.dspark import drafter_param_shapes
+
+    return drafter_param_shapes(cfg)
 
 
 @dataclasses.dataclass
@@ -102,5 +102,10 @@ def load_drafter(path: str, target: ModelConfig | None = None, target_name: str 
     if target is not None:
         cfg.check_target(target, target_name)
     params = nest({k: np.asarray(v, np.float32) for k, v in flat.items()}, ".")
+    want = {k: tuple(v) for k, v in flatten(param_shapes(cfg), ".").items()}
+    have = {k: tuple(v.shape) for k, v in flat.items()}
+    if want != have:
+        diff = sorted(set(want.items()) ^ set(have.items()))[:3]
+        raise UserError(f"drafter weights in {weights_path} do not match its config (first differences: {diff})")
     temps = meta.get("sts_temperatures")
     return LoadedDrafter(cfg, params, tuple(temps) if temps else None, meta.get("metadata", {}))

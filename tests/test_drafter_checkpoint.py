@@ -1,0 +1,60 @@
+"""Our drafter checkpoint folder: round trip, target check, corrupt/mismatched files, atomic writes."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from dspark_jax.drafters.checkpoint import load_drafter, save_drafter
+from dspark_jax.drafters.config import DrafterConfig
+from dspark_jax.drafters.dspark import init_drafter_params
+from dspark_jax.errors import UserError
+from dspark_jax.models.config import ModelConfig
+
+TARGET = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
+                     head_dim=8, intermediate_size=48, max_position_embeddings=128, qk_norm=True)
+DCFG = DrafterConfig(kind="dspark", num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                     intermediate_size=48, vocab_size=64, block_size=4, head="markov", markov_rank=4,
+                     target_layer_ids=(0, 2), mask_token_id=63, target_name="tiny", target_vocab_size=64,
+                     target_hidden_size=32, target_num_layers=4)
+
+
+def test_round_trip_with_temperatures(tmp_path):
+    params = jax.device_get(init_drafter_params(DCFG, jax.random.key(0)))
+    path = str(tmp_path / "d")
+    save_drafter(path, DCFG, params, sts_temperatures=[1.5, 1.2, 1.0, 0.9], metadata={"recipe": "test"})
+    loaded = load_drafter(path, TARGET, "tiny")
+    assert loaded.config == DCFG and loaded.sts_temperatures == (1.5, 1.2, 1.0, 0.9)
+    assert loaded.metadata == {"recipe": "test"}
+    for (pa, a), (pb, b) in zip(jax.tree_util.tree_leaves_with_path(params),
+                                jax.tree_util.tree_leaves_with_path(loaded.params)):
+        assert pa == pb and np.array_equal(np.asarray(a), b)
+    save_drafter(path, DCFG, params, dtype="bfloat16")  # overwrite in place, compact storage
+    assert os.path.getsize(os.path.join(path, "drafter.safetensors")) < sum(np.asarray(a).nbytes for a in jax.tree.leaves(params)) * 0.6
+    assert [f for f in os.listdir(tmp_path) if f.startswith(".")] == []  # no temporary leftovers
+
+
+def test_wrong_target_is_a_clear_error(tmp_path):
+    save_drafter(str(tmp_path / "d"), DCFG, jax.device_get(init_drafter_params(DCFG, jax.random.key(0))))
+    with pytest.raises(UserError, match="drafter was trained for target tiny"):
+        load_drafter(str(tmp_path / "d"), TARGET.replace(vocab_size=65))
+
+
+def test_missing_corrupt_and_mismatched(tmp_path):
+    with pytest.raises(UserError, match="no drafter checkpoint"):
+        load_drafter(str(tmp_path / "nothing"))
+    path = tmp_path / "d"
+    save_drafter(str(path), DCFG, jax.device_get(init_drafter_params(DCFG, jax.random.key(0))))
+    meta = json.loads((path / "drafter.json").read_text())
+    meta["config"]["markov_rank"] = 5
+    (path / "drafter.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match="do not match its config"):
+        load_drafter(str(path))
+    (path / "drafter.safetensors").write_bytes(b"garbage")
+    with pytest.raises(UserError, match="corrupt drafter weights"):
+        load_drafter(str(path))
+    (path / "drafter.json").write_text("{not json")
+    with pytest.raises(UserError, match="corrupt drafter metadata"):
+        load_drafter(str(path))
