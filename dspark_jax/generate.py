@@ -23,9 +23,12 @@ from dspark_jax.models.config import ModelConfig
 from dspark_jax.sampling import SamplingConfig, sample
 
 
-def bucket(n: int, minimum: int = 16) -> int:
-    """Next power of two >= n (static shapes: one compilation per bucket, not per length)."""
-    return max(minimum, 1 << max(0, int(n - 1).bit_length()))
+def bucket(n: int, minimum: int = 16, step: int = 128) -> int:
+    """Static length for n tokens: the next power of two up to `step`, then the next multiple of
+    `step` (one compilation per bucket, not per length, without padding long prompts by up to 2x)."""
+    if n <= step:
+        return max(minimum, 1 << max(0, int(n - 1).bit_length()))
+    return -(-n // step) * step
 
 
 @jax.tree_util.register_dataclass

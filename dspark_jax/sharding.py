@@ -29,17 +29,21 @@ LOGICAL_TO_MESH: dict[str, str | tuple[str, ...] | None] = {
 
 
 def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices: Sequence | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh; -1 for one axis means "all remaining devices"."""
+    """A (data, fsdp, tensor) mesh over the first data*fsdp*tensor devices; -1 for one axis means
+    "all remaining devices" (the usual choice: the same config then fits any slice size)."""
+    from dspark_jax.errors import UserError
+
     devices = list(devices if devices is not None else jax.devices())
     sizes = [data, fsdp, tensor]
     if sizes.count(-1) > 1:
-        raise ValueError("at most one mesh axis may be -1")
+        raise UserError("at most one mesh axis may be -1")
     if -1 in sizes:
         known = int(np.prod([s for s in sizes if s != -1]))
-        sizes[sizes.index(-1)] = len(devices) // known
-    if int(np.prod(sizes)) != len(devices):
-        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} does not use all {len(devices)} devices")
-    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+        sizes[sizes.index(-1)] = max(1, len(devices) // known)
+    n = int(np.prod(sizes))
+    if n > len(devices) or min(sizes) < 1:
+        raise UserError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {n} devices, {len(devices)} available")
+    return Mesh(np.asarray(devices[:n]).reshape(sizes), MESH_AXES)
 
 
 def logical_spec(mesh: Mesh, axes: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec:

@@ -1,0 +1,53 @@
+"""Train a drafter: `python -m dspark_jax.train --config configs/dspark_smollm2-135m.yaml [key=value ...]`.
+
+Overrides use dotted keys into the config sections, e.g. `optim.steps=200 run.out_dir=runs/try`.
+`--resume` continues from the latest checkpoint in run.out_dir (bit-for-bit the same run as an
+uninterrupted one). At the end the drafter is exported to run.out_dir/drafter (safetensors + JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from dspark_jax.cli import run_cli
+
+
+@run_cli
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dspark_jax.train", description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=3e-4")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--distributed", action="store_true",
+                   help="call jax.distributed.initialize() first (multi-host TPU / GPU)")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+
+    from dspark_jax.training.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    import jax
+
+    if args.distributed:
+        jax.distributed.initialize()
+    from dspark_jax.checkpoints.registry import load_target
+    from dspark_jax.drafters.checkpoint import save_drafter
+    from dspark_jax.training.config import config_to_dict
+    from dspark_jax.training.trainer import Trainer
+
+    target = load_target(cfg.target)
+    trainer = Trainer(cfg, target)
+    state = trainer.fit(resume=args.resume, progress=not args.no_progress)
+    trainer.close()
+    if jax.process_index() == 0:
+        out = os.path.join(cfg.run.out_dir, "drafter")
+        save_drafter(out, trainer.dcfg, jax.device_get(state.params),
+                     metadata={"train_config": config_to_dict(cfg), "steps": int(state.step)})
+        print(f"drafter written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

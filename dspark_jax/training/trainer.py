@@ -1,0 +1,259 @@
+"""The drafter training loop: optax + orbax + grain, jitted with explicit shardings.
+
+State (step, fp32 master params, optimizer state) is one pytree. A step takes `grad_accum`
+micro-batches (a `lax.scan`, one optimizer update), computes in `compute_dtype` (bf16 by default)
+and never differentiates the frozen target: its params enter the step as a separate argument and
+only the drafter params are differentiated.
+
+Checkpoints are orbax CheckpointManager saves of {state, grain iterator state, config}; orbax
+finalises a step by renaming a temporary folder, so a kill at any moment leaves only complete
+checkpoints. `resume=True` continues from the latest one, and because the data order lives in the
+iterator state and the step is deterministic, the resumed run is bit-for-bit the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+from tqdm.auto import tqdm
+
+from dspark_jax import sharding
+from dspark_jax.drafters.config import DrafterConfig
+from dspark_jax.errors import UserError
+from dspark_jax.models.config import ModelConfig
+from dspark_jax.training.config import TrainConfig, config_to_dict
+from dspark_jax.training.losses import dspark_loss
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    step: jax.Array
+    params: dict
+    opt_state: Any
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    o = cfg.optim
+    warmup = max(1, int(o.warmup_frac * o.steps))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, o.lr, warmup, max(o.steps, warmup + 1), end_value=0.0)
+    return optax.chain(optax.clip_by_global_norm(o.clip_norm),
+                       optax.adamw(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay))
+
+
+def drafter_functions(dcfg: DrafterConfig):
+    """(init_params, loss_fn) for the drafter kind; loss_fn(params, target_params, batch) -> (loss, metrics)."""
+    if dcfg.kind == "eagle3":
+        from dspark_jax.drafters import eagle3
+
+        def loss_fn(params, target_params, tcfg, batch, weights):
+            out = eagle3.eagle3_train_forward(params, dcfg, target_params, tcfg, batch["tokens"], batch["loss_mask"],
+                                              batch["ctx_features"], batch["target_last_hidden"], dcfg.ttt_steps)
+            return out["total_loss"], {"loss": out["total_loss"]}
+
+        return eagle3.init_eagle3_params, loss_fn
+
+    from dspark_jax.drafters import dspark
+
+    def loss_fn(params, target_params, tcfg, batch, weights):
+        out = dspark.train_forward(params, dcfg, target_params, tcfg, batch, batch["ctx_features"],
+                                   batch["target_last_hidden"])
+        return dspark_loss(out, weights)
+
+    return dspark.init_drafter_params, loss_fn
+
+
+def with_target_features(target_params, tcfg: ModelConfig, dcfg: DrafterConfig, batch: dict) -> dict:
+    """Online path: run the frozen target on the packed rows unless the batch carries cached features."""
+    if "ctx_features" in batch:
+        return batch
+    from dspark_jax.data.pipeline import target_features
+
+    ctx, last = target_features(target_params, tcfg, batch, dcfg.tap_layers)
+    return {**batch, "ctx_features": jax.lax.stop_gradient(ctx), "target_last_hidden": jax.lax.stop_gradient(last)}
+
+
+def _cast(tree, dtype):
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def make_train_step(cfg: TrainConfig, dcfg: DrafterConfig, tcfg: ModelConfig, optimizer) -> Callable:
+    _, loss_fn = drafter_functions(dcfg)
+    compute = jnp.dtype(cfg.run.compute_dtype)
+    accum = cfg.optim.grad_accum
+
+    def micro_loss(params, target_params, micro):
+        micro = with_target_features(target_params, tcfg, dcfg, micro)
+        return loss_fn(_cast(params, compute), target_params, tcfg.replace(dtype=str(compute)),
+                       _cast(micro, compute), cfg.loss)
+
+    def step(state: TrainState, target_params: dict, batch: dict):
+        target_params = _cast(jax.lax.stop_gradient(target_params), compute)
+        micro_batches = jax.tree.map(lambda a: a.reshape((accum, a.shape[0] // accum) + a.shape[1:]), batch)
+
+        def accumulate(grads_sum, micro):
+            (_, metrics), grads = jax.value_and_grad(micro_loss, has_aux=True)(state.params, target_params, micro)
+            return jax.tree.map(jnp.add, grads_sum, grads), metrics
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        grads, metrics = jax.lax.scan(accumulate, zeros, micro_batches)
+        grads = jax.tree.map(lambda g: g / accum, grads)
+        metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    return step
+
+
+def drafter_logical_axes(params: dict) -> dict:
+    """Logical axes of drafter params by name (see sharding.LOGICAL_TO_MESH)."""
+    layer_axes = {"wq": ("layers", "embed", "heads"), "wk": ("layers", "embed", "kv_heads"),
+                  "wv": ("layers", "embed", "kv_heads"), "wo": ("layers", "heads", "embed"),
+                  "w_gate": ("layers", "embed", "mlp"), "w_up": ("layers", "embed", "mlp"),
+                  "w_down": ("layers", "mlp", "embed")}
+    top = {"fc": (None, "embed"), "w1": ("vocab", None), "w2": (None, "vocab")}
+
+    def axes(path, leaf):
+        name = path[-1].key
+        if path[0].key == "layers":
+            return layer_axes.get(name, ("layers",) + (None,) * (leaf.ndim - 1))
+        return top.get(name, (None,) * leaf.ndim)
+
+    return jax.tree_util.tree_map_with_path(axes, params)
+
+
+def make_train_iterator(cfg: TrainConfig, dcfg: DrafterConfig):
+    """This process's checkpointable grain iterator of packed batches (grad_accum micro-batches each)."""
+    from dspark_jax.data.pipeline import PackingConfig, make_dataset
+
+    rows = cfg.data.rows * cfg.optim.grad_accum
+    if rows % jax.process_count():
+        raise UserError(f"data.rows x optim.grad_accum = {rows} rows must divide over {jax.process_count()} processes")
+    packing = PackingConfig(batch_size=rows // jax.process_count(), seq_len=cfg.data.seq_len,
+                            max_blocks=cfg.data.blocks_per_row, block_size=dcfg.block_size,
+                            anchors_per_seq=cfg.data.anchors_per_seq, seed=cfg.data.seed)
+    if not os.path.isdir(cfg.data.train_dir):
+        raise UserError(f"no training data at {cfg.data.train_dir}: generate it with python -m dspark_jax.datagen")
+    return iter(make_dataset(cfg.data.train_dir, packing))
+
+
+class Trainer:
+    """Owns the mesh, shardings, jitted step and checkpoint manager of one run."""
+
+    def __init__(self, cfg: TrainConfig, target,
+                 data_factory: Callable[[TrainConfig, DrafterConfig], Iterator] = make_train_iterator):
+        import orbax.checkpoint as ocp
+
+        self.cfg, self.target = cfg, target
+        self.dcfg = cfg.drafter_config(target.config, target.name)
+        self.dcfg.check_target(target.config, target.name)
+        self.mesh = sharding.make_mesh(*cfg.run.mesh)
+        self.optimizer = make_optimizer(cfg)
+        init_params, _ = drafter_functions(self.dcfg)
+        self._init_params = functools.partial(init_params, self.dcfg)
+
+        abstract_params = jax.eval_shape(self._init_params, jax.random.key(0))
+        p_sh = sharding.tree_shardings(self.mesh, drafter_logical_axes(abstract_params),
+                                       jax.tree.map(lambda a: a.shape, abstract_params))
+        replicated = NamedSharding(self.mesh, P())
+        abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
+        opt_sh = optax.tree_utils.tree_map_params(self.optimizer, lambda _, s: s, abstract_opt, p_sh,
+                                                  transform_non_params=lambda _: replicated)
+        self.state_shardings = TrainState(replicated, p_sh, opt_sh)
+        self.target_shardings = sharding.param_shardings(self.mesh, target.config)
+        self.target_params = jax.device_put(target.params, self.target_shardings)
+        self.batch_sharding = NamedSharding(self.mesh, sharding.logical_spec(
+            self.mesh, ("batch",), (cfg.data.rows * cfg.optim.grad_accum,)))
+        step = make_train_step(cfg, self.dcfg, target.config, self.optimizer)
+        self.train_step = jax.jit(step, in_shardings=(self.state_shardings, self.target_shardings, self.batch_sharding),
+                                  out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
+        self.data = data_factory(cfg, self.dcfg)
+        os.makedirs(cfg.run.out_dir, exist_ok=True)
+        self.manager = ocp.CheckpointManager(
+            os.path.abspath(os.path.join(cfg.run.out_dir, "checkpoints")),
+            options=ocp.CheckpointManagerOptions(max_to_keep=cfg.run.keep_checkpoints, create=True,
+                                                 enable_async_checkpointing=True))
+
+    def init_state(self, seed: int = 0) -> TrainState:
+        def init(key):
+            params = self._init_params(key)
+            return TrainState(jnp.int32(0), params, self.optimizer.init(params))
+
+        return jax.jit(init, out_shardings=self.state_shardings)(jax.random.key(seed))
+
+    def save(self, state: TrainState) -> None:
+        import grain
+        import orbax.checkpoint as ocp
+
+        self.manager.save(int(state.step), args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(self.data),
+            config=ocp.args.JsonSave(json.loads(json.dumps(config_to_dict(self.cfg), default=str)))))
+
+    def restore_latest(self) -> TrainState | None:
+        import grain
+        import orbax.checkpoint as ocp
+
+        step = self.manager.latest_step()
+        if step is None:
+            return None
+        abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                jax.eval_shape(self.init_state), self.state_shardings)
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(self.data)))
+        return restored["state"]
+
+    def device_batch(self, batch: dict) -> dict:
+        """This process's rows -> one global array per field (multi-host safe)."""
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
+                for k, v in batch.items()}
+
+    def fit(self, resume: bool = False, stop_after: int | None = None, progress: bool = True) -> TrainState:
+        """Train to optim.steps (or stop after `stop_after` more steps, as an interruption would)."""
+        cfg = self.cfg
+        state = self.restore_latest() if resume else None
+        if state is None:
+            state = self.init_state(cfg.data.seed)
+        start = int(state.step)
+        end = cfg.optim.steps if stop_after is None else min(cfg.optim.steps, start + stop_after)
+        log_path = os.path.join(cfg.run.out_dir, "metrics.jsonl")
+        if not resume and os.path.exists(log_path):
+            os.remove(log_path)
+        bar = tqdm(total=cfg.optim.steps, initial=start, disable=not progress, desc="train", unit="step")
+        rows = cfg.data.rows * cfg.optim.grad_accum
+        t_last, blocks = time.perf_counter(), 0
+        with open(log_path, "a") as log:
+            for _ in range(start, end):
+                batch = self.device_batch(next(self.data))
+                blocks += int(np.asarray(batch["block_valid"]).sum())
+                state, metrics = self.train_step(state, self.target_params, batch)
+                step = int(state.step)
+                bar.update(1)
+                if step % cfg.run.log_every == 0 or step == end:
+                    now = time.perf_counter()
+                    record = {"step": step, **{k: np.asarray(v).tolist() for k, v in metrics.items()},
+                              "blocks_per_s": blocks / (now - t_last), "rows": rows}
+                    t_last, blocks = now, 0
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record.get('expected_tau', 0):.2f}")
+                if step % cfg.run.save_every == 0 or step == end:
+                    self.save(state)
+        bar.close()
+        self.manager.wait_until_finished()
+        return state
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()

@@ -1,0 +1,119 @@
+"""The training loop: it learns, it resumes bit-for-bit, and sharding does not change the step."""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.checkpoints.registry import Target
+from dspark_jax.data.datagen import FORMAT, MANIFEST, write_shard
+from dspark_jax.models import decoder
+from dspark_jax.models.config import ModelConfig
+from dspark_jax.training.config import DataConfig, OptimConfig, RunConfig, TrainConfig, load_config
+from dspark_jax.training.losses import LossWeights
+from dspark_jax.training.trainer import Trainer
+
+TARGET_CFG = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
+                         head_dim=8, intermediate_size=48, max_position_embeddings=256, qk_norm=True)
+
+
+def tiny_target() -> Target:
+    return Target("tiny", "", TARGET_CFG, decoder.init_params(TARGET_CFG, jax.random.key(0), scale=0.3), None)
+
+
+def write_tiny_data(folder, n=24, seed=0):
+    """Responses that follow a simple rule (next = prev + 1 mod 64), so there is something to learn."""
+    rng = np.random.default_rng(seed)
+    prompts, responses = [], []
+    for _ in range(n):
+        prompts.append(rng.integers(1, 64, size=int(rng.integers(3, 8))).tolist())
+        start = int(rng.integers(1, 64))
+        responses.append([(start + i) % 64 for i in range(int(rng.integers(12, 30)))])
+    os.makedirs(folder, exist_ok=True)
+    entry = write_shard(os.path.join(folder, "shard-00000.npz"), prompts, responses,
+                        [str(i) for i in range(n)], [True] * n)
+    with open(os.path.join(folder, MANIFEST), "w") as f:
+        json.dump({"format": FORMAT, "target": "tiny", "target_shape": {"vocab_size": 64}, "shards": [entry]}, f)
+
+
+def tiny_config(tmp_path, **optim) -> TrainConfig:
+    data_dir = str(tmp_path / "data")
+    if not os.path.exists(data_dir):
+        write_tiny_data(data_dir)
+    return TrainConfig(
+        target="tiny",
+        drafter=dict(kind="dspark", num_layers=1, block_size=4, head="markov", markov_rank=8, confidence=True,
+                     mask_token_id=0, target_layer_ids=(0, 2)),
+        loss=LossWeights(decay=4.0),
+        data=DataConfig(train_dir=data_dir, rows=2, seq_len=64, blocks_per_row=8, anchors_per_seq=4),
+        optim=OptimConfig(**{"lr": 3e-3, "steps": 6, "warmup_frac": 0.1, **optim}),
+        run=RunConfig(out_dir=str(tmp_path / "run"), log_every=1, save_every=3, compute_dtype="float32",
+                      mesh=(1, 1, 1)))
+
+
+def params_of(state):
+    return jax.tree.map(np.asarray, jax.device_get(state.params))
+
+
+def test_resume_is_bit_for_bit(tmp_path):
+    straight = Trainer(tiny_config(tmp_path / "a"), tiny_target())
+    full = params_of(straight.fit(progress=False))
+    straight.close()
+
+    cfg = tiny_config(tmp_path / "b")
+    first = Trainer(cfg, tiny_target())
+    first.fit(stop_after=3, progress=False)  # "killed" after step 3 (checkpoint at 3)
+    first.close()
+    second = Trainer(cfg, tiny_target())  # a fresh process would build everything anew
+    resumed = second.fit(resume=True, progress=False)
+    second.close()
+    assert int(resumed.step) == 6
+    for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(params_of(resumed))):
+        np.testing.assert_array_equal(a, b)
+    steps = [json.loads(l)["step"] for l in open(os.path.join(cfg.run.out_dir, "metrics.jsonl"))]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_training_reduces_the_loss(tmp_path):
+    cfg = tiny_config(tmp_path, steps=40, lr=1e-2)
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, save_every=1000))
+    trainer = Trainer(cfg, tiny_target())
+    trainer.fit(progress=False)
+    trainer.close()
+    log = [json.loads(l) for l in open(os.path.join(cfg.run.out_dir, "metrics.jsonl"))]
+    first, last = np.mean([r["loss"] for r in log[:5]]), np.mean([r["loss"] for r in log[-5:]])
+    assert last < 0.9 * first, (first, last)
+    assert log[-1]["expected_tau"] > log[0]["expected_tau"]
+    assert {"loss_ce", "loss_tv", "loss_conf", "grad_norm", "accuracy_per_position", "blocks_per_s"} <= set(log[-1])
+
+
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (fake) devices")
+def test_sharded_step_equals_single_device(tmp_path):
+    results = []
+    for mesh in [(1, 1, 1), (2, 1, 2)]:
+        cfg = tiny_config(tmp_path / str(mesh), steps=2)
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, mesh=mesh, save_every=1000))
+        trainer = Trainer(cfg, tiny_target())
+        assert trainer.mesh.devices.size == int(np.prod(mesh))
+        results.append(params_of(trainer.fit(progress=False)))
+        trainer.close()
+    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_config_files_load_and_overrides(tmp_path):
+    for name in os.listdir("configs"):
+        if name.endswith(".yaml"):
+            cfg = load_config(os.path.join("configs", name))
+            assert cfg.drafter["kind"] in ("dspark", "eagle3")
+    cfg = load_config("configs/dspark_smollm2-135m.yaml", ["optim.lr=1e-3", "data.rows=2", "drafter.markov_rank=32"])
+    assert cfg.optim.lr == 1e-3 and cfg.data.rows == 2 and cfg.drafter["markov_rank"] == 32
+    from dspark_jax.errors import UserError
+    with pytest.raises(UserError, match="unknown optim setting"):
+        load_config("configs/dspark_smollm2-135m.yaml", ["optim.learning_rate=1"])
+    with pytest.raises(UserError, match="no such config file"):
+        load_config(str(tmp_path / "nope.yaml"))
