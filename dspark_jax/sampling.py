@@ -29,17 +29,24 @@ def processed_log_probs(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
     if cfg.greedy:
         return jax.nn.log_softmax(logits, axis=-1)
     logits = logits / cfg.temperature
-    if cfg.top_k > 0 and cfg.top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, cfg.top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    V = logits.shape[-1]
+    if 0 < cfg.top_k < V:
+        # top_k returns the k best already sorted, so top-p can work on k values instead of
+        # sorting the whole vocabulary every step (the sort dominated sampled decoding on CPU).
+        ranked = jax.lax.top_k(logits, cfg.top_k)[0]
+    elif cfg.top_p < 1.0:
+        ranked = jnp.sort(logits, axis=-1)[..., ::-1]
+    else:
+        return jax.nn.log_softmax(logits, axis=-1)
     if cfg.top_p < 1.0:
         # Keep the smallest set of most likely tokens whose mass reaches top_p (always >= 1 token).
-        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        probs = jax.nn.softmax(ranked, axis=-1)
         mass_before = jnp.cumsum(probs, axis=-1) - probs
-        cutoff_index = jnp.sum(mass_before < cfg.top_p, axis=-1, keepdims=True) - 1
-        cutoff = jnp.take_along_axis(sorted_logits, cutoff_index, axis=-1)
-        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+        keep = jnp.sum(mass_before < cfg.top_p, axis=-1, keepdims=True)
+        cutoff = jnp.take_along_axis(ranked, keep - 1, axis=-1)
+    else:
+        cutoff = ranked[..., -1:]
+    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
     return jax.nn.log_softmax(logits, axis=-1)
 
 

@@ -80,3 +80,20 @@ def test_context_and_length_errors():
         generate(PARAMS, CFG, [[1] * 90], max_new_tokens=10)
     with pytest.raises(UserError, match="empty prompt"):
         generate(PARAMS, CFG, [[1, 2], []], max_new_tokens=4)
+
+
+def test_top_k_then_top_p_matches_a_full_sort_reference():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(6, 50)).astype(np.float32) * 3
+    for k, p in [(5, 0.7), (20, 0.9), (0, 0.6), (3, 1.0), (50, 0.5)]:
+        got = np.exp(np.asarray(processed_log_probs(jnp.asarray(logits), SamplingConfig(0.8, top_k=k, top_p=p))))
+        for row, probs in zip(logits / 0.8, got):
+            order = np.argsort(-row)
+            kept = order[: k or len(row)]
+            soft = np.exp(row[kept] - row[kept].max())
+            soft /= soft.sum()
+            before = np.cumsum(soft) - soft
+            kept = kept[before < p]
+            want = np.zeros_like(row)
+            want[kept] = np.exp(row[kept] - row[kept].max())
+            np.testing.assert_allclose(probs, want / want.sum(), atol=1e-6)
