@@ -1,0 +1,212 @@
+"""Batched speculative decoding with a DSpark / DFlash drafter (static shapes, one jit per round).
+
+Invariant between rounds, per row b:
+  * the target KV cache holds every committed token except the newest one, the ANCHOR x_0, which
+    sits at position p = cache.lengths[b] and has been emitted but not yet fed to the target;
+  * the drafter's context cache holds the target features of the same tokens (positions < p).
+
+A round: draft gamma tokens after x_0 (one backbone pass + head scan) -> schedule l_b draft tokens
+per row -> verify [x_0, x_1..x_l] in ONE target extend pass (padded [B, gamma+1] layout; rows append
+their own l_b + 1 tokens) -> accept a_b tokens + one bonus -> commit: the cache keeps x_0..x_a (a
+rollback is just the length), their features (taps of the same verify pass) go to the drafter
+cache, and the bonus becomes the next anchor. Each round emits a_b + 1 tokens (tau).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from dspark_jax.drafters import dspark
+from dspark_jax.drafters.config import DrafterConfig
+from dspark_jax.engine.acceptance import verify_greedy, verify_sampled
+from dspark_jax.generate import bucket, check_context
+from dspark_jax.models import decoder
+from dspark_jax.models.config import ModelConfig
+from dspark_jax.sampling import SamplingConfig, processed_log_probs, sample
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    gamma: int  # draft tokens per round (<= the drafter's block size)
+    sampling: SamplingConfig = SamplingConfig()
+    policy: str = "fixed"  # how many draft tokens each row verifies: fixed | mtp1 | threshold
+    threshold: float = 0.5  # for policy="threshold": verify while prefix survival >= threshold
+    stop_ids: tuple[int, ...] = ()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecState:
+    cache: decoder.KVCache
+    dcache: dspark.DrafterCache
+    anchor: jax.Array  # [B] x_0 of the next round
+    output: jax.Array  # [B, max_new + gamma + 1] emitted tokens (slack absorbs a last block)
+    num_generated: jax.Array  # [B]
+    done: jax.Array  # [B] bool
+    max_new: jax.Array  # [B] int32 per-row budget
+    key: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RoundStats:
+    active: jax.Array  # [B] bool: the row took part in this round
+    num_draft: jax.Array  # [B] draft tokens verified
+    accepted: jax.Array  # [B] draft tokens accepted (tau = accepted + 1)
+    confidence_logits: jax.Array  # [B, gamma] raw confidence logits (zeros without a head)
+
+
+def _stop_hit(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
+    if not stop_ids:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.any(tokens[..., None] == jnp.asarray(stop_ids, jnp.int32), axis=-1)
+
+
+def schedule(cfg: SpecConfig, confidence_logits: jax.Array | None, temperatures: jax.Array | None,
+             active: jax.Array) -> jax.Array:
+    """Draft tokens to verify per row, [B] int32 (0 for inactive rows)."""
+    B = active.shape[0]
+    if cfg.policy == "fixed":
+        n = jnp.full((B,), cfg.gamma, jnp.int32)
+    elif cfg.policy == "mtp1":
+        n = jnp.full((B,), min(1, cfg.gamma), jnp.int32)
+    elif cfg.policy == "threshold":
+        if confidence_logits is None:
+            raise ValueError("policy 'threshold' needs a drafter with a confidence head")
+        z = confidence_logits[:, : cfg.gamma]
+        if temperatures is not None:
+            z = z / temperatures[: cfg.gamma]
+        survival = jnp.cumprod(jax.nn.sigmoid(z), axis=-1)
+        n = jnp.sum(survival >= cfg.threshold, axis=-1).astype(jnp.int32)  # survival is non-increasing
+    else:
+        raise ValueError(f"unknown policy {cfg.policy!r}")
+    return jnp.where(active, n, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "cfg", "max_len"))
+def spec_prefill(target_params, tcfg: ModelConfig, dparams, dcfg: DrafterConfig, tokens, lengths, max_new, key,
+                 *, cfg: SpecConfig, max_len: int) -> SpecState:
+    B = tokens.shape[0]
+    cache = decoder.init_cache(tcfg, B, max_len)
+    hidden, cache, taps = decoder.forward(target_params, tcfg, tokens, cache, lengths, dcfg.tap_layers)
+    dcache = dspark.init_drafter_cache(dcfg, B, max_len, dtype=jnp.dtype(tcfg.dtype))
+    dcache = dspark.append_context(dparams, dcfg, dcache, jnp.concatenate(list(taps), -1), lengths)
+    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    key, sub = jax.random.split(key)
+    first = sample(sub, decoder.logits(target_params, tcfg, last), cfg.sampling)
+    output = jnp.zeros((B, int(max_len)), jnp.int32).at[:, 0].set(first)
+    done = _stop_hit(first, cfg.stop_ids) | (max_new <= 1)
+    return SpecState(cache, dcache, first, output, jnp.ones((B,), jnp.int32), done, max_new, key)
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "cfg"), donate_argnames=("state",))
+def spec_round(target_params, tcfg: ModelConfig, dparams, dcfg: DrafterConfig, state: SpecState,
+               temperatures, *, cfg: SpecConfig) -> tuple[SpecState, RoundStats]:
+    g = cfg.gamma
+    B = state.anchor.shape[0]
+    active = ~state.done
+    key, k_draft, k_verify = jax.random.split(state.key, 3)
+
+    proposal = dspark.propose(dparams, dcfg, target_params, tcfg, state.dcache, state.anchor, k_draft, cfg.sampling)
+    draft_tokens = proposal.tokens[:, :g]
+    conf = None if proposal.confidence_logits is None else proposal.confidence_logits[:, :g]
+    num_draft = schedule(cfg, conf, temperatures, active)
+
+    verify_tokens = jnp.concatenate([state.anchor[:, None], draft_tokens], axis=1)  # [B, g+1]
+    num_new = jnp.where(active, num_draft + 1, 0)
+    hidden, cache, taps = decoder.forward(target_params, tcfg, verify_tokens, state.cache, num_new, dcfg.tap_layers)
+    target_logits = decoder.logits(target_params, tcfg, hidden)  # [B, g+1, V]
+    if cfg.sampling.greedy:
+        accepted, bonus = verify_greedy(draft_tokens, target_logits, num_draft)
+    else:
+        accepted, bonus = verify_sampled(k_verify, draft_tokens, proposal.log_probs[:, :g],
+                                         processed_log_probs(target_logits, cfg.sampling), num_draft)
+    accepted = jnp.where(active, accepted, 0)
+
+    # Commit x_0..x_a: roll the target cache back to them; their features feed the drafter.
+    committed = jnp.where(active, accepted + 1, 0)
+    cache = dataclasses.replace(cache, lengths=state.cache.lengths + committed)
+    dcache = dspark.append_context(dparams, dcfg, state.dcache, jnp.concatenate(list(taps), -1), committed)
+
+    # Emit x_1..x_a then the bonus; a stop token or the budget may end the row inside the block.
+    slot = jnp.arange(g + 1)[None, :]
+    emitted = jnp.where(slot < accepted[:, None], jnp.pad(draft_tokens, ((0, 0), (0, 1))), bonus[:, None])
+    in_round = slot <= accepted[:, None]
+    stops = _stop_hit(emitted, cfg.stop_ids) & in_round
+    first_stop = jnp.where(jnp.any(stops, -1), jnp.argmax(stops, -1) + 1, accepted + 1)
+    budget = state.max_new - state.num_generated
+    count = jnp.where(active, jnp.minimum(first_stop, budget), 0)
+    rows = jnp.arange(B)[:, None]
+    write_at = jnp.where(slot < count[:, None], state.num_generated[:, None] + slot, state.output.shape[1])
+    output = state.output.at[rows, write_at].set(emitted, mode="drop")
+    num_generated = state.num_generated + count
+    done = state.done | (active & jnp.any(stops, -1)) | (num_generated >= state.max_new)
+
+    stats = RoundStats(active, num_draft, accepted,
+                       jnp.zeros((B, g), jnp.float32) if conf is None else conf.astype(jnp.float32))
+    new_state = SpecState(cache, dcache, bonus, output, num_generated, done, state.max_new, key)
+    return new_state, stats
+
+
+@dataclasses.dataclass
+class SpecResult:
+    token_ids: list[list[int]]
+    rounds: list[dict]  # per round, per row: active, num_draft, accepted, confidence_logits (numpy)
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def wall_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    def acceptance_lengths(self) -> np.ndarray:
+        """tau (accepted + bonus) of every (round, active row)."""
+        return np.concatenate([r["accepted"][r["active"]] + 1 for r in self.rounds]) if self.rounds else np.zeros(0)
+
+
+def speculative_generate(
+    target_params: dict, tcfg: ModelConfig, dparams: dict, dcfg: DrafterConfig, prompts: Sequence[Sequence[int]],
+    *, max_new_tokens: int, cfg: SpecConfig, temperatures: Sequence[float] | None = None, seed: int = 0,
+    progress: bool = False,
+) -> SpecResult:
+    """Speculative decoding of a static batch of prompts (token ids)."""
+    if cfg.gamma > dcfg.block_size:
+        from dspark_jax.errors import UserError
+
+        raise UserError(f"gamma={cfg.gamma} is larger than the drafter's block size {dcfg.block_size}")
+    lengths = [len(p) for p in prompts]
+    check_context(tcfg, lengths, max_new_tokens)
+    width = bucket(max(lengths))
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    max_len = bucket(max(width, max(lengths) + max_new_tokens + cfg.gamma + 1), minimum=64)
+    temps = None if temperatures is None else jnp.asarray(temperatures, jnp.float32)
+    t0 = time.perf_counter()
+    state = spec_prefill(target_params, tcfg, dparams, dcfg, jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32),
+                         jnp.full((len(prompts),), max_new_tokens, jnp.int32), jax.random.key(seed),
+                         cfg=cfg, max_len=max_len)
+    jax.block_until_ready(state)
+    t1 = time.perf_counter()
+    rounds = []
+    bar = tqdm(total=max_new_tokens * len(prompts), disable=not progress, unit="tok", desc="speculative", leave=False)
+    generated = int(np.sum(np.asarray(state.num_generated)))
+    bar.update(generated)
+    while not bool(jnp.all(state.done)):
+        state, stats = spec_round(target_params, tcfg, dparams, dcfg, state, temps, cfg=cfg)
+        rounds.append({k: np.asarray(v) for k, v in dataclasses.asdict(stats).items()})
+        now = int(np.sum(np.asarray(state.num_generated)))
+        bar.update(now - generated)
+        generated = now
+    bar.close()
+    output, counts = np.asarray(state.output), np.asarray(state.num_generated)
+    t2 = time.perf_counter()
+    return SpecResult([output[i, : counts[i]].tolist() for i in range(len(prompts))], rounds, t1 - t0, t2 - t1)
