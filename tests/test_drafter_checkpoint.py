@@ -33,7 +33,7 @@ def test_round_trip_with_temperatures(tmp_path):
         assert pa == pb and np.array_equal(np.asarray(a), b)
     save_drafter(path, DCFG, params, dtype="bfloat16")  # overwrite in place, compact storage
     assert os.path.getsize(os.path.join(path, "drafter.safetensors")) < sum(np.asarray(a).nbytes for a in jax.tree.leaves(params)) * 0.6
-    assert [f for f in os.listdir(tmp_path) if f.startswith(".")] == []  # no temporary leftovers
+    assert [f for f in os.listdir(path) if f.startswith(".")] == []  # no temporary leftovers
 
 
 def test_wrong_target_is_a_clear_error(tmp_path):

@@ -2,8 +2,9 @@
 
 The JSON records everything needed to use the drafter: its DrafterConfig (including the target it
 belongs to: name, vocab size, hidden size, layer count), the STS temperatures once calibrated, and
-free-form metadata (training recipe, metrics). Writes are atomic: a temporary folder is renamed into
-place, so a crash never leaves a half-written drafter.
+free-form metadata (training recipe, metrics). Each file is written under a temporary name and renamed
+into place, so a crash never leaves a half-written file; other files in the folder (e.g. the
+calibration report) are kept.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 
 import numpy as np
 
@@ -36,24 +35,21 @@ def save_drafter(path: str, cfg: DrafterConfig, params: dict, *, sts_temperature
     flat = {k: np.asarray(v, dtype=np.float32).astype(store) for k, v in flatten(params, ".").items()}
     meta = {"format_version": FORMAT_VERSION, "config": dataclasses.asdict(cfg),
             "sts_temperatures": None if sts_temperatures is None else [float(t) for t in sts_temperatures],
-            "metadata": metadata or {}}
-    parent = os.path.dirname(os.path.abspath(path)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-drafter-", dir=parent)
+            "storage_dtype": dtype, "metadata": metadata or {}}
+    os.makedirs(path, exist_ok=True)
+    tmp_weights, tmp_meta = os.path.join(path, f".{WEIGHTS}.tmp"), os.path.join(path, f".{META}.tmp")
     try:
-        save_file(flat, os.path.join(tmp, WEIGHTS))
-        with open(os.path.join(tmp, META), "w") as f:
+        save_file(flat, tmp_weights)
+        with open(tmp_meta, "w") as f:
             json.dump(meta, f, indent=1)
-        if os.path.exists(path):
-            old = tempfile.mkdtemp(prefix=".old-drafter-", dir=parent)
-            os.replace(path, os.path.join(old, "d"))
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        # Weights first: a crash in between leaves new weights with the old JSON, which the shape
+        # check on load reports (or, for a calibration update, identical weights).
+        os.replace(tmp_weights, os.path.join(path, WEIGHTS))
+        os.replace(tmp_meta, os.path.join(path, META))
+    finally:
+        for tmp in (tmp_weights, tmp_meta):
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
 
 def param_shapes(cfg: DrafterConfig) -> dict:
@@ -72,6 +68,7 @@ class LoadedDrafter:
     params: dict
     sts_temperatures: tuple[float, ...] | None
     metadata: dict
+    storage_dtype: str = "float32"
 
 
 def load_drafter(path: str, target: ModelConfig | None = None, target_name: str = "") -> LoadedDrafter:
@@ -108,4 +105,5 @@ def load_drafter(path: str, target: ModelConfig | None = None, target_name: str 
         diff = sorted(set(want.items()) ^ set(have.items()))[:3]
         raise UserError(f"drafter weights in {weights_path} do not match its config (first differences: {diff})")
     temps = meta.get("sts_temperatures")
-    return LoadedDrafter(cfg, params, tuple(temps) if temps else None, meta.get("metadata", {}))
+    return LoadedDrafter(cfg, params, tuple(temps) if temps else None, meta.get("metadata", {}),
+                         meta.get("storage_dtype", "float32"))

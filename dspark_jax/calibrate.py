@@ -1,0 +1,113 @@
+"""Fit Sequential Temperature Scaling (DESIGN.md 2.6) for a DSpark drafter's confidence head.
+
+    python -m dspark_jax.calibrate --drafter runs/dspark_smollm2-135m/drafter [--sets gsm8k,humaneval,...]
+
+Runs speculative decoding with FULL-length verification (every round verifies all gamma draft
+tokens) on held-out prompts (the eval split: never training prompts), records each round's raw
+confidence logits and accepted length, fits per-position temperatures left to right, stores them
+in the drafter checkpoint, and writes a report (JSON) plus reliability diagrams (PNG): ECE and
+ROC-AUC per position before and after. Half the rounds fit the temperatures, the other half
+measure them, so the "after" numbers are out of sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+from dspark_jax.cli import run_cli
+from dspark_jax.errors import UserError
+
+
+def collect_rounds(target, loaded, prompts: list[str], *, max_new_tokens: int, temperature: float,
+                   batch_size: int, seed: int, progress: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(confidence logits [N, gamma], accepted [N]) over all full-length rounds of all prompts."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspark_jax.engine.speculative import SpecConfig, speculative_generate
+    from dspark_jax.sampling import SamplingConfig
+
+    tok = target.tokenizer
+    dparams = jax.tree.map(jnp.asarray, loaded.params)
+    cfg = SpecConfig(gamma=loaded.config.block_size, sampling=SamplingConfig(temperature), policy="fixed",
+                     stop_ids=tuple(tok.eos_token_ids))
+    logits, accepted = [], []
+    encoded = [tok.chat_prompt_ids(p) for p in prompts]
+    for start in range(0, len(encoded), batch_size):
+        result = speculative_generate(target.params, target.config, dparams, loaded.config,
+                                      encoded[start: start + batch_size], max_new_tokens=max_new_tokens,
+                                      cfg=cfg, seed=seed + start, progress=progress)
+        for r in result.rounds:
+            logits.append(r["confidence_logits"][r["active"]])
+            accepted.append(r["accepted"][r["active"]])
+    return np.concatenate(logits), np.concatenate(accepted)
+
+
+@run_cli
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dspark_jax.calibrate", description=__doc__.split("\n")[0])
+    p.add_argument("--drafter", required=True, help="drafter checkpoint folder (updated in place)")
+    p.add_argument("--target", default=None, help="target (default: the one recorded in the drafter)")
+    p.add_argument("--sets", default="gsm8k,math500,humaneval,mbpp,arena-hard-v2",
+                   help="prompt sets; their EVAL split is used")
+    p.add_argument("--limit", type=int, default=16, help="prompts per set")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="report folder (default: DRAFTER/calibration)")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if args.limit < 1 or args.max_new_tokens < 2 or args.batch_size < 1:
+        raise UserError("need --limit >= 1, --max-new-tokens >= 2 and --batch-size >= 1")
+
+    from dspark_jax.checkpoints.registry import load_target
+    from dspark_jax.data.splits import get_split, parse_sets
+    from dspark_jax.drafters.checkpoint import load_drafter, save_drafter
+    from dspark_jax.evaluation.calibration import calibration_report, fit_sts, to_jsonable
+    from dspark_jax.evaluation.plots import reliability_diagram
+
+    loaded = load_drafter(args.drafter)
+    if not loaded.config.confidence:
+        raise UserError("this drafter has no confidence head: nothing to calibrate")
+    target = load_target(args.target or loaded.config.target_name)
+    loaded.config.check_target(target.config, target.name)
+    prompts = [q for name in parse_sets(args.sets) for q in get_split(name, "eval")[: args.limit]]
+    logits, accepted = collect_rounds(target, loaded, prompts, max_new_tokens=args.max_new_tokens,
+                                      temperature=args.temperature, batch_size=args.batch_size, seed=args.seed,
+                                      progress=not args.no_progress)
+    if len(accepted) < 20:
+        raise UserError(f"only {len(accepted)} decoding rounds were recorded: use more prompts or tokens")
+    order = np.random.default_rng(args.seed).permutation(len(accepted))
+    fit_idx, test_idx = order[: len(order) // 2], order[len(order) // 2:]
+    held_out_temps = fit_sts(logits[fit_idx], accepted[fit_idx])
+    report = calibration_report(logits[test_idx], accepted[test_idx], held_out_temps)
+    temperatures = fit_sts(logits, accepted)  # the stored temperatures use every round
+    out = args.out or os.path.join(args.drafter, "calibration")
+    os.makedirs(out, exist_ok=True)
+    summary = {"drafter": args.drafter, "target": target.name, "rounds": int(len(accepted)),
+               "prompts": len(prompts), "sets": args.sets, "temperature": args.temperature,
+               "max_new_tokens": args.max_new_tokens, "temperatures": temperatures, "held_out_report": report}
+    with open(os.path.join(out, "report.json.tmp"), "w") as f:
+        json.dump(to_jsonable(summary), f, indent=1)
+    os.replace(os.path.join(out, "report.json.tmp"), os.path.join(out, "report.json"))
+    png = reliability_diagram(report, os.path.join(out, "reliability.png"),
+                              title=f"STS calibration ({len(test_idx)} held-out rounds)")
+    metadata = dict(loaded.metadata, calibration=to_jsonable({k: summary[k] for k in (
+        "rounds", "prompts", "sets", "temperature", "max_new_tokens")}))
+    save_drafter(args.drafter, loaded.config, loaded.params, sts_temperatures=temperatures, metadata=metadata,
+                 dtype=loaded.storage_dtype)
+    print(json.dumps(to_jsonable({"rounds": len(accepted), "temperatures": temperatures,
+                                  "ece_raw": report["ece_raw"], "ece_sts": report["ece_sts"],
+                                  "auc_sts": report["auc_sts"], "report": os.path.join(out, "report.json"),
+                                  "plot": png})))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

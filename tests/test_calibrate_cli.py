@@ -1,0 +1,47 @@
+"""`python -m dspark_jax.calibrate` end to end on a tiny target and drafter."""
+
+import json
+import os
+
+import jax
+
+from dspark_jax import calibrate
+from dspark_jax.checkpoints.hf import load_hf_model
+from dspark_jax.drafters.checkpoint import load_drafter, save_drafter
+from dspark_jax.drafters.config import DrafterConfig
+from dspark_jax.drafters.dspark import init_drafter_params
+
+
+def test_calibrate_stores_temperatures_and_writes_report(tiny_target_folder, tmp_path, capsys):
+    tcfg, _ = load_hf_model(tiny_target_folder)
+    dcfg = DrafterConfig(kind="dspark", num_layers=1, hidden_size=tcfg.hidden_size, num_heads=4, num_kv_heads=2,
+                         head_dim=16, intermediate_size=64, vocab_size=tcfg.vocab_size, block_size=4,
+                         head="markov", markov_rank=8, confidence=True, mask_token_id=0, target_layer_ids=(0, 1),
+                         target_name="tiny", target_vocab_size=tcfg.vocab_size, target_hidden_size=tcfg.hidden_size,
+                         target_num_layers=tcfg.num_layers)
+    path = str(tmp_path / "drafter")
+    save_drafter(path, dcfg, jax.device_get(init_drafter_params(dcfg, jax.random.key(0), scale=0.5)),
+                 metadata={"recipe": "random"})
+    code = calibrate.main(["--drafter", path, "--target", tiny_target_folder, "--sets", "gsm8k", "--limit", "6",
+                           "--max-new-tokens", "24", "--no-progress"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    summary = json.loads(out.strip().splitlines()[-1])
+    loaded = load_drafter(path)
+    assert loaded.sts_temperatures is not None and len(loaded.sts_temperatures) == 4
+    assert list(loaded.sts_temperatures) == summary["temperatures"]
+    assert loaded.metadata["recipe"] == "random" and loaded.metadata["calibration"]["rounds"] == summary["rounds"]
+    report = json.load(open(os.path.join(path, "calibration", "report.json")))
+    assert len(report["held_out_report"]["ece_raw"]) == 4
+    assert open(os.path.join(path, "calibration", "reliability.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_calibrate_rejects_a_drafter_without_confidence(tiny_target_folder, tmp_path, capsys):
+    tcfg, _ = load_hf_model(tiny_target_folder)
+    dcfg = DrafterConfig(kind="dspark", num_layers=1, hidden_size=tcfg.hidden_size, num_heads=4, num_kv_heads=2,
+                         head_dim=16, intermediate_size=64, vocab_size=tcfg.vocab_size, block_size=4, head="none",
+                         confidence=False, mask_token_id=0, target_layer_ids=(0, 1), target_vocab_size=tcfg.vocab_size,
+                         target_hidden_size=tcfg.hidden_size, target_num_layers=tcfg.num_layers)
+    save_drafter(str(tmp_path / "d"), dcfg, jax.device_get(init_drafter_params(dcfg, jax.random.key(0))))
+    assert calibrate.main(["--drafter", str(tmp_path / "d"), "--target", tiny_target_folder]) == 2
+    assert "no confidence head" in capsys.readouterr().err
