@@ -1,0 +1,324 @@
+"""Regenerate training responses with the TARGET: `python -m dspark_jax.datagen`.
+
+    python -m dspark_jax.datagen --target smollm2-135m --sets gsm8k,humaneval,arena-hard-v2 \
+        --split train --out data/smollm2-train [--limit N] [--max-new-tokens 512] \
+        [--temperature 0.7 --top-p 0.8 --top-k 20] [--batch-size 16] [--seed 0]
+
+Every prompt of the chosen sets and split (see `dspark_jax.data.splits`; `--limit N` keeps the
+first N per set in file order) is rendered with the target's chat template (one user turn) and
+answered by the target (sampling settings as DeepSpec: T=0.7, top-p 0.8, top-k 20). Prompts longer
+than --max-prompt-tokens are skipped (counted in the manifest).
+
+Plan and resumability. All prompts are sorted by (token length, id) and cut into batches of
+--batch-size: batch i is shard i and is sampled with a seed derived from (--seed, i). The plan is
+a pure function of the settings, so a run that is interrupted and restarted produces exactly the
+shards an uninterrupted run would: on restart, shards already on disk are checked and skipped.
+
+Output folder:
+* `shard-00000.npz` ... one per batch, written to a temporary name and `os.replace`d (never half
+  written). Arrays (all plain dtypes; `np.load(path, allow_pickle=False)` works):
+    tokens        int32 [sum of lengths]  prompt ids then response ids of every example, flat
+    offsets       int64 [n + 1]           example k is tokens[offsets[k]:offsets[k+1]]
+    prompt_lens   int32 [n]               the first prompt_lens[k] ids of example k are the prompt
+    finished      bool  [n]               the response ends with a stop token (it is included)
+    example_ids   str   [n]               "<set>/<first 16 hex of sha256(prompt text)>"
+* `manifest.json`: format, target (name + shape), sampling, max_new_tokens, max_prompt_tokens,
+  seed, batch_size, split, sets, limit, planned/done/skipped counts per set, shard list, complete.
+  A folder made with other settings is refused (one line, exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Sequence
+
+import numpy as np
+
+from dspark_jax.cli import run_cli
+from dspark_jax.errors import UserError
+
+FORMAT = "dspark-datagen-v1"
+MANIFEST = "manifest.json"
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.npz"
+
+
+# ---------------------------------------------------------------------------- shard files
+
+
+def write_shard(path: str, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                example_ids: Sequence[str], finished: Sequence[bool]) -> dict:
+    """Write one shard atomically (tmp file + os.replace). Returns its manifest entry."""
+    if not (len(prompts) == len(responses) == len(example_ids) == len(finished)):
+        raise ValueError("shard columns differ in length")
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    offsets[1:] = np.cumsum(lengths)
+    tokens = np.zeros(int(offsets[-1]), np.int32)
+    for k, (p, r) in enumerate(zip(prompts, responses)):
+        tokens[offsets[k]: offsets[k] + len(p)] = p
+        tokens[offsets[k] + len(p): offsets[k + 1]] = r
+    arrays = dict(tokens=tokens, offsets=offsets, prompt_lens=np.asarray([len(p) for p in prompts], np.int32),
+                  finished=np.asarray(finished, bool), example_ids=np.asarray(list(example_ids), dtype=str))
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        np.savez(f, **arrays)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return dict(file=os.path.basename(path), num_examples=len(prompts), num_tokens=int(offsets[-1]),
+                response_tokens=int(sum(len(r) for r in responses)))
+
+
+def read_shard(path: str) -> dict[str, np.ndarray]:
+    """The arrays of one shard (see the module docstring), loaded without pickle."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            data = {k: z[k] for k in ("tokens", "offsets", "prompt_lens", "finished", "example_ids")}
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"corrupt data shard {path}: {e}") from None
+    n = len(data["prompt_lens"])
+    if len(data["offsets"]) != n + 1 or data["offsets"][-1] != len(data["tokens"]):
+        raise UserError(f"corrupt data shard {path}: offsets do not match the tokens")
+    return data
+
+
+def _write_json_atomic(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def read_manifest(folder: str) -> dict:
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.exists(path):
+        raise UserError(f"{folder} is not a datagen output folder (no {MANIFEST})")
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"corrupt {path}: {e}") from None
+    if manifest.get("format") != FORMAT:
+        raise UserError(f"{path}: unknown format {manifest.get('format')!r} (expected {FORMAT})")
+    return manifest
+
+
+# ---------------------------------------------------------------------------- the plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    example_id: str
+    prompt_ids: tuple[int, ...]
+
+
+def _shard_seed(seed: int, index: int) -> int:
+    return int(np.random.SeedSequence([seed, index]).generate_state(1)[0] >> 1)
+
+
+def plan_examples(tokenizer, sets: Sequence[str], split: str, limit: int | None,
+                  max_prompt_tokens: int) -> tuple[list[Example], dict]:
+    """Every example to generate, sorted by (prompt length, id), and per-set counts."""
+    from dspark_jax.data.splits import get_split, prompt_hash
+
+    examples, counts = [], {}
+    for name in sets:
+        prompts = get_split(name, split)
+        if limit is not None:
+            prompts = prompts[:limit]
+        if not prompts:
+            raise UserError(f"prompt set {name!r} has no {split} prompts")
+        kept = skipped = 0
+        for text in prompts:
+            ids = tokenizer.chat_prompt_ids(text)
+            if len(ids) > max_prompt_tokens:
+                skipped += 1
+                continue
+            examples.append(Example(f"{name}/{prompt_hash(text)[:16]}", tuple(ids)))
+            kept += 1
+        if not kept:
+            raise UserError(f"every {split} prompt of {name!r} is longer than --max-prompt-tokens={max_prompt_tokens}")
+        counts[name] = dict(planned=kept, skipped_too_long=skipped)
+    examples.sort(key=lambda e: (len(e.prompt_ids), e.example_id))
+    return examples, counts
+
+
+def _check_compatible(folder: str, settings: dict) -> dict | None:
+    """The existing manifest if `folder` holds a run with the same settings; None if empty/new."""
+    if not os.path.exists(folder):
+        return None
+    if not os.path.isdir(folder):
+        raise UserError(f"--out {folder} exists and is not a folder")
+    if not os.path.exists(os.path.join(folder, MANIFEST)):
+        if any(not f.endswith(".tmp") for f in os.listdir(folder)):
+            raise UserError(f"--out {folder} is not empty and holds no {MANIFEST}: refusing to write there")
+        return None
+    manifest = read_manifest(folder)
+    for key, value in settings.items():
+        if manifest.get(key) != value:
+            raise UserError(f"--out {folder} was generated with different settings ({key}: "
+                            f"{json.dumps(manifest.get(key))} there, {json.dumps(value)} now); use another --out")
+    return manifest
+
+
+def generate_dataset(target, sets: Sequence[str], split: str, out: str, *, limit: int | None = None,
+                     max_new_tokens: int = 512, temperature: float = 0.7, top_k: int = 20, top_p: float = 0.8,
+                     batch_size: int = 16, seed: int = 0, max_prompt_tokens: int = 1024,
+                     max_shards: int | None = None, progress: bool = True) -> dict:
+    """Generate (or resume) the dataset in `out`. `target` is a registry `Target`.
+
+    `max_shards` stops after writing that many NEW shards (tests use it to simulate an interrupt).
+    Returns the manifest.
+    """
+    from tqdm.auto import tqdm
+
+    from dspark_jax.generate import generate
+    from dspark_jax.sampling import SamplingConfig
+
+    if max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be at least 1")
+    if batch_size < 1:
+        raise UserError("--batch-size must be at least 1")
+    if limit is not None and limit < 1:
+        raise UserError("--limit must be at least 1")
+    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+        raise UserError("need --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
+    if max_prompt_tokens + max_new_tokens > target.config.max_position_embeddings:
+        raise UserError(f"--max-prompt-tokens {max_prompt_tokens} + --max-new-tokens {max_new_tokens} exceeds the "
+                        f"target's context of {target.config.max_position_embeddings} tokens")
+    from dspark_jax.data.splits import domain_of, list_sets
+
+    for name in sets:
+        domain_of(name)  # validates
+    sets = sorted(dict.fromkeys(sets), key=list_sets().index)  # canonical order: --sets order is no setting
+    cfg = target.config
+    settings = dict(
+        format=FORMAT, target=target.name,
+        target_shape=dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers),
+        sampling=dict(temperature=temperature, top_k=top_k, top_p=top_p),
+        max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens, seed=seed, batch_size=batch_size,
+        split=split, sets=list(sets), limit=limit, stop_ids=[int(i) for i in target.tokenizer.eos_token_ids])
+    existing = _check_compatible(out, settings)
+    examples, counts = plan_examples(target.tokenizer, sets, split, limit, max_prompt_tokens)
+    batches = [examples[i: i + batch_size] for i in range(0, len(examples), batch_size)]
+    os.makedirs(out, exist_ok=True)
+
+    shards: dict[int, dict] = {}
+    for index, batch in enumerate(batches):  # resume: keep finished shards that match the plan
+        path = os.path.join(out, shard_name(index))
+        if not os.path.exists(path):
+            continue
+        data = read_shard(path)
+        if [str(i) for i in data["example_ids"]] != [e.example_id for e in batch]:
+            raise UserError(f"{path} does not match the plan of this run (different prompt files?); use another --out")
+        shards[index] = dict(file=shard_name(index), num_examples=len(batch), num_tokens=int(len(data["tokens"])),
+                             response_tokens=int(len(data["tokens"]) - data["prompt_lens"].sum()))
+
+    def manifest() -> dict:
+        done = {name: 0 for name in sets}
+        for index in shards:
+            for e in batches[index]:
+                done[e.example_id.split("/")[0]] += 1
+        per_set = {name: dict(counts[name], done=done[name]) for name in sets}
+        entries = [shards[i] for i in sorted(shards)]
+        return dict(settings, counts=per_set, num_examples=sum(s["num_examples"] for s in entries),
+                    num_planned=len(examples), num_tokens=sum(s["num_tokens"] for s in entries),
+                    response_tokens=sum(s["response_tokens"] for s in entries), num_shards_planned=len(batches),
+                    shards=entries, complete=len(shards) == len(batches),
+                    created=(existing or {}).get("created", time.strftime("%Y-%m-%dT%H:%M:%S")))
+
+    _write_json_atomic(os.path.join(out, MANIFEST), manifest())
+    sampling = SamplingConfig(temperature, top_k, top_p)
+    stop_ids = tuple(target.tokenizer.eos_token_ids)
+    todo = [i for i in range(len(batches)) if i not in shards]
+    bar = tqdm(total=len(examples), initial=sum(len(batches[i]) for i in shards), unit="prompt",
+               desc=f"datagen {split}", disable=not progress, dynamic_ncols=True, mininterval=5.0)
+    written, t0, new_tokens = 0, time.perf_counter(), 0
+    for index in todo:
+        if max_shards is not None and written >= max_shards:
+            break
+        batch = batches[index]
+        prompts = [list(e.prompt_ids) for e in batch]
+        # Pad the last (short) batch with copies so every batch has the same shape: no recompile.
+        padded = prompts + [prompts[-1]] * (batch_size - len(prompts))
+        result = generate(target.params, cfg, padded, max_new_tokens=max_new_tokens, sampling=sampling,
+                          stop_ids=stop_ids, seed=_shard_seed(seed, index))
+        responses = result.token_ids[: len(batch)]
+        finished = [bool(r) and r[-1] in stop_ids for r in responses]
+        shards[index] = write_shard(os.path.join(out, shard_name(index)), prompts, responses,
+                                    [e.example_id for e in batch], finished)
+        _write_json_atomic(os.path.join(out, MANIFEST), manifest())
+        written += 1
+        new_tokens += shards[index]["response_tokens"]
+        bar.update(len(batch))
+        elapsed = time.perf_counter() - t0
+        bar.set_postfix(shard=f"{len(shards)}/{len(batches)}", tok_s=f"{new_tokens / elapsed:.0f}",
+                        refresh=False)
+    bar.close()
+    return manifest()
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from dspark_jax.checkpoints.registry import DEFAULT_TARGET
+
+    p = argparse.ArgumentParser(prog="python -m dspark_jax.datagen",
+                                description="Regenerate training responses with the target model.")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="known name, Hugging Face folder or .gguf file")
+    p.add_argument("--sets", required=True,
+                   help="comma-separated prompt sets (or domains math/code/chat, or all)")
+    p.add_argument("--split", default="train", help="train or eval (see dspark_jax/data/splits.py)")
+    p.add_argument("--out", required=True, help="output folder (resumed if it holds the same run)")
+    p.add_argument("--limit", type=int, default=None, help="at most N prompts per set (first N in file order)")
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+@run_cli
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from dspark_jax.data.splits import SPLITS, parse_sets
+
+    if args.split not in SPLITS:
+        raise UserError(f"unknown split {args.split!r} (use one of: {', '.join(SPLITS)})")
+    sets = parse_sets(args.sets)
+    if args.limit is not None and args.limit < 1:
+        raise UserError("--limit must be at least 1")
+    from dspark_jax.data.splits import get_split
+
+    for name in sets:  # before the (slow) target load
+        if not get_split(name, args.split):
+            raise UserError(f"prompt set {name!r} has no {args.split} prompts")
+
+    from dspark_jax.checkpoints.registry import load_target
+
+    target = load_target(args.target, dtype=args.dtype)
+    t0 = time.perf_counter()
+    m = generate_dataset(target, sets, args.split, args.out, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                         batch_size=args.batch_size, seed=args.seed, max_prompt_tokens=args.max_prompt_tokens,
+                         progress=not args.quiet)
+    state = "complete" if m["complete"] else "incomplete"
+    print(f"{args.out}: {m['num_examples']}/{m['num_planned']} examples, {m['response_tokens']} response tokens, "
+          f"{len(m['shards'])}/{m['num_shards_planned']} shards ({state}, {time.perf_counter() - t0:.0f}s)",
+          file=sys.stderr)
+    return 0
