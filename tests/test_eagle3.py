@@ -156,3 +156,38 @@ def test_wrong_target_is_a_user_error():
         eagle3.load_deepspec_eagle3(os.path.join(FIXTURE, "eagle3.safetensors"),
                                     os.path.join(FIXTURE, "eagle3_config.json"),
                                     target_cfg=target_cfg.replace(num_layers=8))
+
+
+def test_packed_rows_equal_each_sequence_alone():
+    """Two sequences packed in one row (the training pipeline's format) give the same per-position
+    logits and step losses (up to the B*S normaliser) as each sequence in its own row."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dspark_jax.drafters.eagle3 import eagle3_train_forward, init_eagle3_params
+    from dspark_jax.drafters.config import DrafterConfig
+    from dspark_jax.models import decoder
+    from dspark_jax.models.config import ModelConfig
+
+    tcfg = ModelConfig(family="qwen3", vocab_size=40, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
+                       head_dim=8, intermediate_size=48, max_position_embeddings=128, qk_norm=True)
+    dcfg = DrafterConfig(kind="eagle3", num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                         intermediate_size=48, vocab_size=40, head="none", confidence=False,
+                         target_layer_ids=(0, 1), ttt_steps=3)
+    tparams = decoder.init_params(tcfg, jax.random.key(0), scale=0.3)
+    params = init_eagle3_params(dcfg, jax.random.key(1))
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(1, 40, size=9), rng.integers(1, 40, size=7)
+    feats = jnp.asarray(rng.normal(size=(1, 16, 64)), jnp.float32)
+    last = jnp.asarray(rng.normal(size=(1, 16, 32)), jnp.float32)
+    packed = eagle3_train_forward(
+        params, dcfg, tparams, tcfg, jnp.asarray(np.concatenate([a, b])[None]), jnp.ones((1, 16)), feats, last,
+        segment_ids=jnp.asarray([[1] * 9 + [2] * 7]), positions=jnp.asarray([list(range(9)) + list(range(7))]))
+    for seq, sl in ((a, slice(0, 9)), (b, slice(9, 16))):
+        alone = eagle3_train_forward(params, dcfg, tparams, tcfg, jnp.asarray(seq[None]), jnp.ones((1, len(seq))),
+                                     feats[:, sl], last[:, sl])
+        mask = np.asarray(alone["position_mask"]) > 0
+        np.testing.assert_array_equal(np.asarray(packed["position_mask"])[:, :, sl], np.asarray(alone["position_mask"]))
+        np.testing.assert_allclose(np.asarray(packed["draft_logits"])[:, :, sl][mask],
+                                   np.asarray(alone["draft_logits"])[mask], atol=2e-5)

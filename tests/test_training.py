@@ -117,3 +117,20 @@ def test_config_files_load_and_overrides(tmp_path):
         load_config("configs/dspark_smollm2-135m.yaml", ["optim.learning_rate=1"])
     with pytest.raises(UserError, match="no such config file"):
         load_config(str(tmp_path / "nope.yaml"))
+
+
+@pytest.mark.parametrize("drafter", [
+    dict(kind="eagle3", num_layers=1, head="none", markov_rank=0, confidence=False, ttt_steps=3, target_layer_ids=(0, 2)),
+    dict(kind="dspark", num_layers=1, block_size=4, head="none", markov_rank=0, confidence=False, mask_token_id=0,
+         target_layer_ids=(0, 2)),
+])
+def test_eagle3_and_dflash_train(tmp_path, drafter):
+    cfg = dataclasses.replace(tiny_config(tmp_path, steps=12, lr=1e-2), drafter=drafter,
+                              loss=LossWeights.dflash())
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, save_every=1000))
+    trainer = Trainer(cfg, tiny_target())
+    trainer.fit(progress=False)
+    trainer.close()
+    log = [json.loads(l) for l in open(os.path.join(cfg.run.out_dir, "metrics.jsonl"))]
+    assert all(np.isfinite(r["loss"]) for r in log)
+    assert np.mean([r["loss"] for r in log[-3:]]) < np.mean([r["loss"] for r in log[:3]])

@@ -147,13 +147,17 @@ def eagle3_train_forward(
     target_last_hidden: jax.Array,
     steps: int | None = None,
     lengths: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
 ) -> dict:
     """The TTT forward over whole sequences (layout and loss in the module docstring).
 
     input_ids, loss_mask: [B, S]; ctx_features: [B, S, m*d] the concatenated target taps;
     target_last_hidden: [B, S, d] the target's final-normed hidden state (the target's distribution
     is its LM head on it); steps: TTT passes (default dcfg.ttt_steps); lengths: [B] valid tokens per
-    row when rows are right-padded (default S).
+    row when rows are right-padded (default S). For PACKED rows (the training pipeline's format)
+    pass segment_ids and positions [B, S]: attention stays inside a segment, RoPE restarts per
+    sequence, and a pass never predicts across a segment boundary.
     Returns {"draft_logits": [steps, B, S, V], "position_mask": [steps, B, S], "loss": [steps],
     "total_loss": scalar}. Under jit, outputs the caller drops cost nothing.
     """
@@ -167,6 +171,9 @@ def eagle3_train_forward(
     target_logp = jax.nn.log_softmax(decoder.logits(target_params, target_cfg, target_last_hidden), axis=-1)
     target_probs = jax.lax.stop_gradient(jnp.exp(_shift_left(target_logp, 1, -np.log(V))))
     causal = jnp.tril(jnp.ones((S, S), bool))[None]
+    base_positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)) if positions is None else positions
+    if segment_ids is not None:
+        causal = causal & (segment_ids[:, :, None] == segment_ids[:, None, :])
 
     def attend(q, k, v, inputs):
         k_ctx, v_ctx, k_chain, v_chain = inputs
@@ -187,7 +194,7 @@ def eagle3_train_forward(
     outs = {"draft_logits": [], "position_mask": [], "loss": []}
     total = jnp.float32(0.0)
     for i in range(steps):
-        positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) + i, (B, S))
+        positions = base_positions + i
         embeds = _embed(target_params, tokens, g.dtype)
         g, (k, v) = _run_layers(params, dcfg, embeds, g, positions, attend, ctx + chain)
         if i == 0:
@@ -196,6 +203,8 @@ def eagle3_train_forward(
             chain = tuple(jnp.concatenate([c, new[:, :, :, None]], axis=3) for c, new in zip(chain, (k, v)))
         logits = _draft_logits(params, dcfg, target_params, target_cfg, g)
         mask = _shift_left(position_mask, i, 0.0)
+        if segment_ids is not None:  # pass i at t predicts t+1+i: it must be the same sequence
+            mask = mask * (_shift_left(segment_ids, 1 + i, -1) == segment_ids)
         ce = -jnp.sum(_shift_left(target_probs, i, 1.0 / V) * jax.nn.log_softmax(logits, axis=-1), axis=-1)
         loss = jnp.sum(ce * mask) / (B * S)  # the reference's normaliser: all B*S slots, masked or not
         total = total + dcfg.ttt_decay ** i * loss

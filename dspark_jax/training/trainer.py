@@ -57,9 +57,11 @@ def drafter_functions(dcfg: DrafterConfig):
         from dspark_jax.drafters import eagle3
 
         def loss_fn(params, target_params, tcfg, batch, weights):
-            out = eagle3.eagle3_train_forward(params, dcfg, target_params, tcfg, batch["tokens"], batch["loss_mask"],
-                                              batch["ctx_features"], batch["target_last_hidden"], dcfg.ttt_steps)
-            return out["total_loss"], {"loss": out["total_loss"]}
+            out = eagle3.eagle3_train_forward(
+                params, dcfg, target_params, tcfg, batch["tokens"], batch["loss_mask"], batch["ctx_features"],
+                batch["target_last_hidden"], dcfg.ttt_steps, segment_ids=batch["segment_ids"],
+                positions=batch["positions"])
+            return out["total_loss"], {"loss": out["total_loss"], "loss_per_step": out["loss"]}
 
         return eagle3.init_eagle3_params, loss_fn
 
