@@ -20,7 +20,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dspark_jax.decode", description=__doc__.split("\n")[0])
     p.add_argument("--target", default=DEFAULT_TARGET,
                    help=f"known name ({', '.join(KNOWN_TARGETS)}), Hugging Face folder or .gguf file")
-    p.add_argument("--drafter", default="none", help="drafter checkpoint, or 'none' for plain target decoding")
+    p.add_argument("--drafter", default="none", help="drafter checkpoint folder, or 'none' for plain target decoding")
+    p.add_argument("--scheduler", default="fixed", choices=["fixed", "mtp1", "threshold"],
+                   help="draft tokens verified per request and round")
+    p.add_argument("--gamma", type=int, default=None, help="draft tokens per round (default: the drafter's block)")
+    p.add_argument("--threshold", type=float, default=0.5, help="prefix-survival threshold for --scheduler threshold")
+    p.add_argument("--compare-ar", action="store_true", help="also run plain target decoding and report the speedup")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help='JSONL of {"turns": [...]} (the first turn is used)')
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -42,6 +47,57 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def load_speculative(args, target):
+    """A function (prompts, sampling, seed) -> SpecResult for the drafter given on the command line."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspark_jax.drafters.checkpoint import load_drafter
+    from dspark_jax.engine.speculative import SpecConfig, speculative_generate
+
+    loaded = load_drafter(args.drafter, target.config, target.name)
+    dcfg = loaded.config
+    if dcfg.kind != "dspark":
+        raise UserError(f"decoding with a {dcfg.kind} drafter is not supported yet (DSpark / DFlash drafters are)")
+    gamma = args.gamma or dcfg.block_size
+    if not 1 <= gamma <= dcfg.block_size:
+        raise UserError(f"--gamma {gamma} must be between 1 and the drafter's block size {dcfg.block_size}")
+    if args.scheduler == "threshold" and not dcfg.confidence:
+        raise UserError("--scheduler threshold needs a drafter with a confidence head")
+    dparams = jax.tree.map(lambda a: jnp.asarray(a, target.config.dtype), loaded.params)
+
+    def run(batch, sampling, seed):
+        cfg = SpecConfig(gamma=gamma, sampling=sampling, policy=args.scheduler, threshold=args.threshold,
+                         stop_ids=tuple(target.tokenizer.eos_token_ids))
+        return speculative_generate(target.params, target.config, dparams, dcfg, batch,
+                                    max_new_tokens=args.max_new_tokens, cfg=cfg, temperatures=loaded.sts_temperatures,
+                                    seed=seed, progress=not args.json)
+
+    return run
+
+
+def request_stats(result) -> list[dict]:
+    """Per request: mean tau (bonus included), rounds, verified draft tokens and, per draft position
+    k, how many rounds reached k (tokens 1..k-1 accepted and k verified) and accepted it."""
+    import numpy as np
+
+    rows = len(result.token_ids)
+    active = np.stack([r["active"] for r in result.rounds]) if result.rounds else np.zeros((0, rows), bool)
+    accepted = np.stack([r["accepted"] for r in result.rounds]) if result.rounds else np.zeros((0, rows), int)
+    drafted = np.stack([r["num_draft"] for r in result.rounds]) if result.rounds else np.zeros((0, rows), int)
+    gamma = result.rounds[0]["confidence_logits"].shape[1] if result.rounds else 0
+    out = []
+    for i in range(rows):
+        a, n = accepted[active[:, i], i], drafted[active[:, i], i]
+        k = np.arange(1, gamma + 1)[None, :]
+        reached = (n[:, None] >= k) & (a[:, None] >= k - 1)
+        out.append({"acceptance_length": round(float(np.mean(a + 1)), 4) if len(a) else 1.0,
+                    "rounds": int(len(a)), "verified_tokens": int(n.sum()),
+                    "position_reached": reached.sum(0).tolist(),
+                    "position_accepted": (reached & (a[:, None] >= k)).sum(0).tolist()})
+    return out
+
+
 @run_cli
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -53,8 +109,6 @@ def main(argv: list[str] | None = None) -> int:
     for i, text in enumerate(prompts):
         if not text.strip():
             raise UserError(f"prompt {i + 1} is empty")
-    if args.drafter != "none":
-        raise UserError("speculative decoding with a drafter is not available yet: use --drafter none")
 
     from dspark_jax.checkpoints.registry import load_target
     from dspark_jax.generate import generate
@@ -62,13 +116,24 @@ def main(argv: list[str] | None = None) -> int:
 
     target = load_target(args.target, dtype=args.dtype)
     tok = target.tokenizer
+    speculative = None if args.drafter == "none" else load_speculative(args, target)
     encoded = [tok.encode(t) if args.raw else tok.chat_prompt_ids(t) for t in prompts]
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     for start in range(0, len(prompts), args.batch_size):
         batch = encoded[start: start + args.batch_size]
-        result = generate(target.params, target.config, batch, max_new_tokens=args.max_new_tokens,
-                          sampling=sampling, stop_ids=tok.eos_token_ids, seed=args.seed + start,
-                          progress=not args.json)
+        plain = lambda: generate(target.params, target.config, batch, max_new_tokens=args.max_new_tokens,  # noqa: E731
+                                 sampling=sampling, stop_ids=tok.eos_token_ids, seed=args.seed + start,
+                                 progress=not args.json)
+        if speculative is None:
+            result, stats = plain(), [{} for _ in batch]
+        else:
+            result = speculative(batch, sampling, args.seed + start)
+            stats = request_stats(result)
+            if args.compare_ar:
+                baseline = plain()
+                for s in stats:
+                    s["ar_wall_s"] = round(baseline.wall_s, 4)
+                    s["speedup"] = round(baseline.wall_s / result.wall_s, 3)
         for i, ids in enumerate(result.token_ids):
             record = {
                 "prompt": prompts[start + i],
@@ -81,13 +146,18 @@ def main(argv: list[str] | None = None) -> int:
                 "tokens_per_s": round(len(ids) / result.wall_s, 2),
                 "batch_size": len(batch),
                 "target": target.name,
+                **stats[i],
             }
             if args.json:
                 print(json.dumps(record, ensure_ascii=False), flush=True)
             else:
+                extra = ""
+                if "acceptance_length" in record:
+                    extra = f", tau {record['acceptance_length']:.2f}"
+                    extra += f", speedup {record['speedup']:.2f}x" if "speedup" in record else ""
                 print(f"### {record['prompt']}\n{record['text']}\n"
                       f"[{record['num_tokens']} tokens, {record['wall_s']:.2f} s, "
-                      f"{record['tokens_per_s']:.1f} tokens/s]\n", flush=True)
+                      f"{record['tokens_per_s']:.1f} tokens/s{extra}]\n", flush=True)
     return 0
 
 

@@ -62,7 +62,7 @@ def _stop_mask(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "max_len", "max_new", "stop_ids"))
-def prefill(params, cfg: ModelConfig, tokens, lengths, key, *, sampling: SamplingConfig, max_len: int,
+def prefill(params, tokens, lengths, key, *, cfg: ModelConfig, sampling: SamplingConfig, max_len: int,
             max_new: int, stop_ids: tuple[int, ...]) -> DecodeState:
     B = tokens.shape[0]
     cache = decoder.init_cache(cfg, B, max_len)
@@ -76,7 +76,7 @@ def prefill(params, cfg: ModelConfig, tokens, lengths, key, *, sampling: Samplin
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "stop_ids", "steps"), donate_argnames=("state",))
-def decode_chunk(params, cfg: ModelConfig, state: DecodeState, *, sampling: SamplingConfig,
+def decode_chunk(params, state: DecodeState, *, cfg: ModelConfig, sampling: SamplingConfig,
                  stop_ids: tuple[int, ...], steps: int) -> DecodeState:
     max_new = state.output.shape[1]
     end = jnp.minimum(state.step + steps, max_new)
@@ -133,17 +133,16 @@ def generate(
     max_len = bucket(max(width, max(lengths) + max_new_tokens), minimum=64)
     stop = tuple(sorted(set(int(s) for s in stop_ids)))
 
-    args = (params, cfg, jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32), jax.random.key(seed))
-    statics = dict(sampling=sampling, max_len=max_len, max_new=max_new_tokens, stop_ids=stop)
+    args = (params, jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32), jax.random.key(seed))
     t0 = time.perf_counter()
-    run_prefill = _compiled(prefill, args, statics)
-    state_shape = run_prefill.out_info
-    run_chunk = _compiled(decode_chunk, (params, cfg, state_shape),
-                          dict(sampling=sampling, stop_ids=stop, steps=chunk))
+    run_prefill = compiled(prefill, args, dict(cfg=cfg, sampling=sampling, max_len=max_len,
+                                               max_new=max_new_tokens, stop_ids=stop))
+    run_chunk = compiled(decode_chunk, (params, run_prefill.out_info),
+                         dict(cfg=cfg, sampling=sampling, stop_ids=stop, steps=chunk))
     compile_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    state = run_prefill(params, *args[2:])
+    state = run_prefill(*args)
     jax.block_until_ready(state)
     t1 = time.perf_counter()
     bar = tqdm(total=max_new_tokens, disable=not progress, unit="tok", desc="decode", leave=False)
@@ -164,12 +163,11 @@ def generate(
 _COMPILED: dict = {}
 
 
-def _compiled(fn, args, statics):
-    """Ahead-of-time compile `fn` for these argument shapes (cached), so timings exclude XLA."""
-    cfg = args[1]
-    leaves, treedef = jax.tree.flatten(args[2:])
-    key = (fn.__name__, cfg, treedef, tuple((a.shape, str(a.dtype)) for a in leaves),
-           tuple(sorted(statics.items())))
+def compiled(fn, args: tuple, statics: dict):
+    """Ahead-of-time compile jitted `fn` for these argument shapes and static keyword arguments
+    (cached), so the caller can time execution without XLA compilation."""
+    leaves, treedef = jax.tree.flatten(args)
+    key = (fn.__name__, treedef, tuple((a.shape, str(a.dtype)) for a in leaves), tuple(sorted(statics.items())))
     if key not in _COMPILED:
         _COMPILED[key] = fn.lower(*args, **statics).compile()
     return _COMPILED[key]

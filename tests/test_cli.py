@@ -112,3 +112,47 @@ def test_subprocess_exit_code_and_no_traceback():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: unknown target 'nope': use one of smollm2-135m, a Hugging Face checkpoint folder or a .gguf file"]
+
+
+@pytest.fixture(scope="module")
+def tiny_drafter(tiny_target_folder, tmp_path_factory):
+    import jax
+
+    from dspark_jax.checkpoints.hf import load_hf_model
+    from dspark_jax.drafters.checkpoint import save_drafter
+    from dspark_jax.drafters.config import DrafterConfig
+    from dspark_jax.drafters.dspark import init_drafter_params
+
+    tcfg, _ = load_hf_model(tiny_target_folder)
+    dcfg = DrafterConfig(kind="dspark", num_layers=1, hidden_size=tcfg.hidden_size, num_heads=4, num_kv_heads=2,
+                         head_dim=16, intermediate_size=64, vocab_size=tcfg.vocab_size, block_size=4, head="markov",
+                         markov_rank=8, confidence=True, mask_token_id=0, target_layer_ids=(0, 1), target_name="tiny",
+                         target_vocab_size=tcfg.vocab_size, target_hidden_size=tcfg.hidden_size,
+                         target_num_layers=tcfg.num_layers)
+    path = str(tmp_path_factory.mktemp("drafter") / "d")
+    save_drafter(path, dcfg, jax.device_get(init_drafter_params(dcfg, jax.random.key(0), scale=0.5)))
+    return path
+
+
+def test_speculative_json_matches_plain_greedy(capsys, tiny_target_folder, tiny_drafter):
+    args = ["--target", tiny_target_folder, "--prompt", "w5 w6 w7", "--prompt", "w9 w1", "--max-new-tokens", "12",
+            "--json"]
+    code, out, _ = run(capsys, *args)
+    plain = [json.loads(line) for line in out.strip().splitlines()]
+    code2, out2, err2 = run(capsys, *args, "--drafter", tiny_drafter, "--gamma", "3", "--compare-ar")
+    assert code == 0 and code2 == 0, err2
+    spec = [json.loads(line) for line in out2.strip().splitlines()]
+    for a, b in zip(plain, spec):
+        assert a["token_ids"] == b["token_ids"]
+        assert 1.0 <= b["acceptance_length"] <= 4.0 and b["rounds"] >= 1 and b["speedup"] > 0
+        assert b["verified_tokens"] == 3 * b["rounds"]  # fixed scheduler: every round verifies gamma
+        assert len(b["position_reached"]) == 3 and b["position_reached"][0] == b["rounds"]
+        assert all(x <= y for x, y in zip(b["position_accepted"], b["position_reached"]))
+
+
+def test_speculative_bad_input(capsys, tiny_target_folder, tiny_drafter):
+    assert_fails(capsys, "--gamma 9 must be between 1 and the drafter's block size 4", "--target", tiny_target_folder,
+                 "--prompt", "w1", "--drafter", tiny_drafter, "--gamma", "9")
+    assert_fails(capsys, "no drafter checkpoint at", "--target", tiny_target_folder, "--prompt", "w1",
+                 "--drafter", tiny_drafter + "-missing")
+    assert_fails(capsys, "drafter was trained for target tiny", "--prompt", "w1", "--drafter", tiny_drafter)

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from dspark_jax.drafters import dspark
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.engine.acceptance import verify_greedy, verify_sampled
-from dspark_jax.generate import bucket, check_context
+from dspark_jax.generate import bucket, check_context, compiled
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.sampling import SamplingConfig, processed_log_probs, sample
@@ -92,8 +92,8 @@ def schedule(cfg: SpecConfig, confidence_logits: jax.Array | None, temperatures:
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "cfg", "max_len"))
-def spec_prefill(target_params, tcfg: ModelConfig, dparams, dcfg: DrafterConfig, tokens, lengths, max_new, key,
-                 *, cfg: SpecConfig, max_len: int) -> SpecState:
+def spec_prefill(target_params, dparams, tokens, lengths, max_new, key, *, tcfg: ModelConfig, dcfg: DrafterConfig,
+                 cfg: SpecConfig, max_len: int) -> SpecState:
     B = tokens.shape[0]
     cache = decoder.init_cache(tcfg, B, max_len)
     hidden, cache, taps = decoder.forward(target_params, tcfg, tokens, cache, lengths, dcfg.tap_layers)
@@ -108,8 +108,8 @@ def spec_prefill(target_params, tcfg: ModelConfig, dparams, dcfg: DrafterConfig,
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "cfg"), donate_argnames=("state",))
-def spec_round(target_params, tcfg: ModelConfig, dparams, dcfg: DrafterConfig, state: SpecState,
-               temperatures, *, cfg: SpecConfig) -> tuple[SpecState, RoundStats]:
+def spec_round(target_params, dparams, state: SpecState, temperatures, *, tcfg: ModelConfig, dcfg: DrafterConfig,
+               cfg: SpecConfig) -> tuple[SpecState, RoundStats]:
     g = cfg.gamma
     B = state.anchor.shape[0]
     active = ~state.done
@@ -162,6 +162,7 @@ class SpecResult:
     rounds: list[dict]  # per round, per row: active, num_draft, accepted, confidence_logits (numpy)
     prefill_s: float
     decode_s: float
+    compile_s: float  # XLA compilation, kept out of the timings above
 
     @property
     def wall_s(self) -> float:
@@ -190,10 +191,15 @@ def speculative_generate(
         tokens[i, : len(p)] = p
     max_len = bucket(max(width, max(lengths) + max_new_tokens + cfg.gamma + 1), minimum=64)
     temps = None if temperatures is None else jnp.asarray(temperatures, jnp.float32)
+    args = (target_params, dparams, jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32),
+            jnp.full((len(prompts),), max_new_tokens, jnp.int32), jax.random.key(seed))
     t0 = time.perf_counter()
-    state = spec_prefill(target_params, tcfg, dparams, dcfg, jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32),
-                         jnp.full((len(prompts),), max_new_tokens, jnp.int32), jax.random.key(seed),
-                         cfg=cfg, max_len=max_len)
+    run_prefill = compiled(spec_prefill, args, dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg, max_len=max_len))
+    run_round = compiled(spec_round, (target_params, dparams, run_prefill.out_info, temps),
+                         dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg))
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    state = run_prefill(*args)
     jax.block_until_ready(state)
     t1 = time.perf_counter()
     rounds = []
@@ -201,7 +207,7 @@ def speculative_generate(
     generated = int(np.sum(np.asarray(state.num_generated)))
     bar.update(generated)
     while not bool(jnp.all(state.done)):
-        state, stats = spec_round(target_params, tcfg, dparams, dcfg, state, temps, cfg=cfg)
+        state, stats = run_round(target_params, dparams, state, temps)
         rounds.append({k: np.asarray(v) for k, v in dataclasses.asdict(stats).items()})
         now = int(np.sum(np.asarray(state.num_generated)))
         bar.update(now - generated)
@@ -209,4 +215,5 @@ def speculative_generate(
     bar.close()
     output, counts = np.asarray(state.output), np.asarray(state.num_generated)
     t2 = time.perf_counter()
-    return SpecResult([output[i, : counts[i]].tolist() for i in range(len(prompts))], rounds, t1 - t0, t2 - t1)
+    return SpecResult([output[i, : counts[i]].tolist() for i in range(len(prompts))], rounds, t1 - t0, t2 - t1,
+                      compile_s)
