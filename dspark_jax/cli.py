@@ -27,23 +27,39 @@ def run_cli(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | No
     return wrapped
 
 
-def read_prompts_file(path: str) -> list[str]:
-    """First user turn of every line of a `{"turns": [...]}` JSONL file."""
+def read_jsonl(path: str, what: str, allow_partial_last: bool = False) -> list[tuple[int, object]]:
+    """(line number, parsed value) of every non-blank line; one-line UserErrors naming `what`.
+
+    allow_partial_last: a final line without a newline that does not parse is a record still being
+    written by a live process (e.g. a training log) and is skipped rather than called corrupt.
+    """
     try:
         with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
+            text = f.read()
     except FileNotFoundError:
-        raise UserError(f"no such prompts file: {path}") from None
+        raise UserError(f"no such {what}: {path}") from None
+    except IsADirectoryError:
+        raise UserError(f"{what} {path} is a directory") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read prompts file {path}: {e}") from None
-    prompts = []
+        raise UserError(f"cannot read {what} {path}: {e}") from None
+    lines = text.split("\n")
+    rows = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            rows.append((number, json.loads(line)))
         except json.JSONDecodeError:
-            raise UserError(f"{path}:{number}: not valid JSON") from None
+            if allow_partial_last and number == len(lines) and not text.endswith("\n"):
+                break
+            raise UserError(f"{path}:{number}: not valid JSON (corrupt {what})") from None
+    return rows
+
+
+def read_prompts_file(path: str) -> list[str]:
+    """First user turn of every line of a `{"turns": [...]}` JSONL file."""
+    prompts = []
+    for number, row in read_jsonl(path, "prompts file"):
         turns = row.get("turns") if isinstance(row, dict) else None
         if not turns or not isinstance(turns, list) or not isinstance(turns[0], str):
             raise UserError(f'{path}:{number}: expected {{"turns": ["first user message", ...]}}')

@@ -55,7 +55,7 @@ class GenerationResult:
         return self.prefill_s + self.decode_s
 
 
-def _stop_mask(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
+def stop_mask(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
     if not stop_ids:
         return jnp.zeros(tokens.shape, bool)
     return jnp.any(tokens[..., None] == jnp.asarray(stop_ids, jnp.int32), axis=-1)
@@ -71,7 +71,7 @@ def prefill(params, tokens, lengths, key, *, cfg: ModelConfig, sampling: Samplin
     key, sub = jax.random.split(key)
     first = sample(sub, decoder.logits(params, cfg, last_hidden), sampling)
     output = jnp.zeros((B, max_new), jnp.int32).at[:, 0].set(first)
-    done = _stop_mask(first, stop_ids) | (max_new <= 1)
+    done = stop_mask(first, stop_ids) | (max_new <= 1)
     return DecodeState(cache, first, output, jnp.ones((B,), jnp.int32), done, key, jnp.int32(1))
 
 
@@ -93,7 +93,7 @@ def decode_chunk(params, state: DecodeState, *, cfg: ModelConfig, sampling: Samp
         rows = jnp.arange(token.shape[0])
         output = s.output.at[rows, s.num_generated].set(jnp.where(active, token, 0), mode="drop")
         num_generated = s.num_generated + active
-        done = s.done | (active & _stop_mask(token, stop_ids)) | (num_generated >= max_new)
+        done = s.done | (active & stop_mask(token, stop_ids)) | (num_generated >= max_new)
         return DecodeState(cache, token, output, num_generated, done, key, s.step + 1)
 
     return jax.lax.while_loop(cond, body, state)

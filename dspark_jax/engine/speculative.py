@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from dspark_jax.drafters import dspark
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.engine.acceptance import verify_greedy, verify_sampled
-from dspark_jax.generate import bucket, check_context, compiled
+from dspark_jax.generate import GenerationResult, bucket, check_context, compiled, stop_mask
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.sampling import SamplingConfig, processed_log_probs, sample
@@ -64,12 +64,6 @@ class RoundStats:
     confidence_logits: jax.Array  # [B, gamma] raw confidence logits (zeros without a head)
 
 
-def _stop_hit(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
-    if not stop_ids:
-        return jnp.zeros(tokens.shape, bool)
-    return jnp.any(tokens[..., None] == jnp.asarray(stop_ids, jnp.int32), axis=-1)
-
-
 def schedule(cfg: SpecConfig, confidence_logits: jax.Array | None, temperatures: jax.Array | None,
              active: jax.Array) -> jax.Array:
     """Draft tokens to verify per row, [B] int32 (0 for inactive rows)."""
@@ -103,7 +97,7 @@ def spec_prefill(target_params, dparams, tokens, lengths, max_new, key, *, tcfg:
     key, sub = jax.random.split(key)
     first = sample(sub, decoder.logits(target_params, tcfg, last), cfg.sampling)
     output = jnp.zeros((B, int(max_len)), jnp.int32).at[:, 0].set(first)
-    done = _stop_hit(first, cfg.stop_ids) | (max_new <= 1)
+    done = stop_mask(first, cfg.stop_ids) | (max_new <= 1)
     return SpecState(cache, dcache, first, output, jnp.ones((B,), jnp.int32), done, max_new, key)
 
 
@@ -140,7 +134,7 @@ def spec_round(target_params, dparams, state: SpecState, temperatures, *, tcfg: 
     slot = jnp.arange(g + 1)[None, :]
     emitted = jnp.where(slot < accepted[:, None], jnp.pad(draft_tokens, ((0, 0), (0, 1))), bonus[:, None])
     in_round = slot <= accepted[:, None]
-    stops = _stop_hit(emitted, cfg.stop_ids) & in_round
+    stops = stop_mask(emitted, cfg.stop_ids) & in_round
     first_stop = jnp.where(jnp.any(stops, -1), jnp.argmax(stops, -1) + 1, accepted + 1)
     budget = state.max_new - state.num_generated
     count = jnp.where(active, jnp.minimum(first_stop, budget), 0)
@@ -157,16 +151,8 @@ def spec_round(target_params, dparams, state: SpecState, temperatures, *, tcfg: 
 
 
 @dataclasses.dataclass
-class SpecResult:
-    token_ids: list[list[int]]
-    rounds: list[dict]  # per round, per row: active, num_draft, accepted, confidence_logits (numpy)
-    prefill_s: float
-    decode_s: float
-    compile_s: float  # XLA compilation, kept out of the timings above
-
-    @property
-    def wall_s(self) -> float:
-        return self.prefill_s + self.decode_s
+class SpecResult(GenerationResult):
+    rounds: list[dict] = dataclasses.field(default_factory=list)  # per round, per row: RoundStats as numpy
 
     def acceptance_lengths(self) -> np.ndarray:
         """tau (accepted + bonus) of every (round, active row)."""
@@ -215,5 +201,5 @@ def speculative_generate(
     bar.close()
     output, counts = np.asarray(state.output), np.asarray(state.num_generated)
     t2 = time.perf_counter()
-    return SpecResult([output[i, : counts[i]].tolist() for i in range(len(prompts))], rounds, t1 - t0, t2 - t1,
-                      compile_s)
+    return SpecResult([output[i, : counts[i]].tolist() for i in range(len(prompts))], t1 - t0, t2 - t1,
+                      compile_s, rounds)

@@ -14,7 +14,6 @@ the target folder and `os.replace`d into place, so a reader never sees a half-wr
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import tempfile
@@ -24,6 +23,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from dspark_jax.cli import read_jsonl
 from dspark_jax.errors import UserError
 from dspark_jax.evaluation import calibration
 
@@ -218,26 +218,8 @@ def read_metrics(metrics_jsonl_path: str) -> list[dict]:
     without a newline that does not parse is a record still being written by a live run: skipped.
     """
     path = os.fspath(metrics_jsonl_path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise UserError(f"no such metrics log: {path}") from None
-    except IsADirectoryError:
-        raise UserError(f"metrics log {path} is a directory") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read metrics log {path}: {e}") from None
-    lines = text.split("\n")
     records = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines) and not text.endswith("\n"):
-                break  # partial last line of a run that is still writing
-            raise UserError(f"{path}:{number}: not valid JSON (corrupt metrics log)") from None
+    for number, row in read_jsonl(path, "metrics log", allow_partial_last=True):
         step = row.get("step") if isinstance(row, dict) else None
         if not _is_number(step):
             raise UserError(f'{path}:{number}: expected a JSON object with a numeric "step"')
