@@ -7,6 +7,7 @@ import pytest
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.drafters.dspark import init_drafter_params
 from dspark_jax.engine.speculative import SpecConfig, speculative_generate
+from dspark_jax.engine.sps import SPSTable
 from dspark_jax.generate import generate
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
@@ -46,18 +47,21 @@ def drafter(head="markov", confidence=True):
 PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
 
 
+SPS = SPSTable(buckets=(1, 2, 4, 8, 16), sps=(10.0, 9.5, 9.0, 7.0, 4.0), device="test", model="test")
+
+
 @pytest.mark.parametrize("head,policy", [("markov", "fixed"), ("rnn", "threshold"), ("none", "fixed"),
-                                         ("markov", "mtp1")])
+                                         ("markov", "mtp1"), ("markov", "dspark"), ("markov", "dspark_async")])
 def test_greedy_speculative_equals_greedy_target(head, policy):
     dcfg, dparams = drafter(head, confidence=head != "none")
     want = generate(TARGET, TCFG, PROMPTS, max_new_tokens=30).token_ids
-    cfg = SpecConfig(gamma=4, policy=policy, threshold=0.3)
+    cfg = SpecConfig(gamma=4, policy=policy, threshold=0.3, sps=SPS)
     got = speculative_generate(TARGET, TCFG, dparams, dcfg, PROMPTS, max_new_tokens=30, cfg=cfg)
     assert got.token_ids == want
     taus = got.acceptance_lengths()
     assert taus.min() >= 1 and taus.max() <= cfg.gamma + 1
     assert sum(len(t) for t in got.token_ids) == 90
-    if head == "markov":  # the chain-aware drafter is partly accepted: both branches are exercised
+    if head == "markov" and policy in ("fixed", "mtp1"):  # partly accepted: both branches are exercised
         assert (taus > 1).mean() > 0.2 and (taus < (cfg.gamma if policy != "mtp1" else 1) + 1).any()
 
 
@@ -77,7 +81,7 @@ def _empirical(token_ids, position, vocab=32):
 
 
 @pytest.mark.parametrize("sampling,policy", [(SamplingConfig(1.0), "fixed"), (SamplingConfig(0.8, 8, 0.9), "fixed"),
-                                             (SamplingConfig(1.0), "threshold")])
+                                             (SamplingConfig(1.0), "threshold"), (SamplingConfig(1.0), "dspark")])
 def test_sampling_is_lossless(sampling, policy):
     """The first 3 tokens under speculative sampling follow the target's own sampling distribution.
 
@@ -88,7 +92,8 @@ def test_sampling_is_lossless(sampling, policy):
     prompts = [[3, 1, 4]] * 6000
     plain = generate(TARGET, TCFG, prompts, max_new_tokens=3, sampling=sampling, seed=1).token_ids
     spec = speculative_generate(TARGET, TCFG, dparams, dcfg, prompts, max_new_tokens=3, seed=2,
-                                cfg=SpecConfig(gamma=4, sampling=sampling, policy=policy, threshold=0.3))
+                                cfg=SpecConfig(gamma=4, sampling=sampling, policy=policy, threshold=0.3,
+                                               sps=SPSTable(buckets=(9000, 30000), sps=(1.0, 0.5))))  # ~3000 admitted
     assert (spec.acceptance_lengths() > 1).mean() > 0.2  # drafts really are being accepted
     for position in range(3):
         tv = 0.5 * np.abs(_empirical(plain, position) - _empirical(spec.token_ids, position)).sum()

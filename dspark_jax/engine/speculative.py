@@ -26,7 +26,9 @@ from tqdm.auto import tqdm
 
 from dspark_jax.drafters import dspark
 from dspark_jax.drafters.config import DrafterConfig
+from dspark_jax.engine import scheduler as S
 from dspark_jax.engine.acceptance import verify_greedy, verify_sampled
+from dspark_jax.engine.sps import SPSTable
 from dspark_jax.generate import GenerationResult, bucket, check_context, compiled, stop_mask
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
@@ -37,9 +39,10 @@ from dspark_jax.sampling import SamplingConfig, processed_log_probs, sample
 class SpecConfig:
     gamma: int  # draft tokens per round (<= the drafter's block size)
     sampling: SamplingConfig = SamplingConfig()
-    policy: str = "fixed"  # how many draft tokens each row verifies: fixed | mtp1 | threshold
+    policy: str = "fixed"  # draft tokens verified per row: fixed | mtp1 | threshold | dspark | dspark_async
     threshold: float = 0.5  # for policy="threshold": verify while prefix survival >= threshold
     stop_ids: tuple[int, ...] = ()
+    sps: SPSTable | None = None  # verify steps/s per token bucket, for the dspark policies
 
 
 @jax.tree_util.register_dataclass
@@ -53,6 +56,7 @@ class SpecState:
     done: jax.Array  # [B] bool
     max_new: jax.Array  # [B] int32 per-row budget
     key: jax.Array
+    sched: S.AsyncSchedulerState  # verify capacities queued by the dspark_async policy
 
 
 @jax.tree_util.register_dataclass
@@ -64,25 +68,29 @@ class RoundStats:
     confidence_logits: jax.Array  # [B, gamma] raw confidence logits (zeros without a head)
 
 
+POLICIES = ("fixed", "mtp1", "threshold", "dspark", "dspark_async")
+
+
 def schedule(cfg: SpecConfig, confidence_logits: jax.Array | None, temperatures: jax.Array | None,
-             active: jax.Array) -> jax.Array:
-    """Draft tokens to verify per row, [B] int32 (0 for inactive rows)."""
-    B = active.shape[0]
+             active: jax.Array, sched: S.AsyncSchedulerState) -> tuple[jax.Array, S.AsyncSchedulerState]:
+    """Draft tokens to verify per row, [B] int32 (0 for inactive rows), and the scheduler state."""
     if cfg.policy == "fixed":
-        n = jnp.full((B,), cfg.gamma, jnp.int32)
-    elif cfg.policy == "mtp1":
-        n = jnp.full((B,), min(1, cfg.gamma), jnp.int32)
-    elif cfg.policy == "threshold":
-        if confidence_logits is None:
-            raise ValueError("policy 'threshold' needs a drafter with a confidence head")
-        z = confidence_logits[:, : cfg.gamma]
-        if temperatures is not None:
-            z = z / temperatures[: cfg.gamma]
-        survival = jnp.cumprod(jax.nn.sigmoid(z), axis=-1)
-        n = jnp.sum(survival >= cfg.threshold, axis=-1).astype(jnp.int32)  # survival is non-increasing
-    else:
-        raise ValueError(f"unknown policy {cfg.policy!r}")
-    return jnp.where(active, n, 0)
+        return S.schedule_fixed(active, cfg.gamma), sched
+    if cfg.policy == "mtp1":
+        return S.schedule_mtp1(active, cfg.gamma), sched
+    if confidence_logits is None:
+        raise ValueError(f"policy {cfg.policy!r} needs a drafter with a confidence head")
+    a = S.survival_from_logits(confidence_logits[:, : cfg.gamma], temperatures)
+    if cfg.policy == "threshold":
+        return S.schedule_threshold(a, cfg.threshold, active), sched
+    if cfg.sps is None:
+        raise ValueError(f"policy {cfg.policy!r} needs an SPS table")
+    buckets, values = (jnp.asarray(x) for x in cfg.sps.arrays())
+    if cfg.policy == "dspark":
+        return S.schedule_dspark(a, active, buckets, values), sched
+    if cfg.policy == "dspark_async":
+        return S.schedule_dspark_async(sched, a, active, buckets, values)
+    raise ValueError(f"unknown policy {cfg.policy!r} (known: {', '.join(POLICIES)})")
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "cfg", "max_len"))
@@ -98,7 +106,8 @@ def spec_prefill(target_params, dparams, tokens, lengths, max_new, key, *, tcfg:
     first = sample(sub, decoder.logits(target_params, tcfg, last), cfg.sampling)
     output = jnp.zeros((B, int(max_len)), jnp.int32).at[:, 0].set(first)
     done = stop_mask(first, cfg.stop_ids) | (max_new <= 1)
-    return SpecState(cache, dcache, first, output, jnp.ones((B,), jnp.int32), done, max_new, key)
+    return SpecState(cache, dcache, first, output, jnp.ones((B,), jnp.int32), done, max_new, key,
+                     S.init_async_state(B))
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "cfg"), donate_argnames=("state",))
@@ -112,7 +121,7 @@ def spec_round(target_params, dparams, state: SpecState, temperatures, *, tcfg: 
     proposal = dspark.propose(dparams, dcfg, target_params, tcfg, state.dcache, state.anchor, k_draft, cfg.sampling)
     draft_tokens = proposal.tokens[:, :g]
     conf = None if proposal.confidence_logits is None else proposal.confidence_logits[:, :g]
-    num_draft = schedule(cfg, conf, temperatures, active)
+    num_draft, sched = schedule(cfg, conf, temperatures, active, state.sched)
 
     verify_tokens = jnp.concatenate([state.anchor[:, None], draft_tokens], axis=1)  # [B, g+1]
     num_new = jnp.where(active, num_draft + 1, 0)
@@ -146,7 +155,7 @@ def spec_round(target_params, dparams, state: SpecState, temperatures, *, tcfg: 
 
     stats = RoundStats(active, num_draft, accepted,
                        jnp.zeros((B, g), jnp.float32) if conf is None else conf.astype(jnp.float32))
-    new_state = SpecState(cache, dcache, bonus, output, num_generated, done, state.max_new, key)
+    new_state = SpecState(cache, dcache, bonus, output, num_generated, done, state.max_new, key, sched)
     return new_state, stats
 
 
