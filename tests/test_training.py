@@ -80,7 +80,9 @@ def test_resume_is_bit_for_bit(tmp_path):
 
 def test_training_reduces_the_loss(tmp_path):
     cfg = tiny_config(tmp_path, steps=40, lr=1e-2)
-    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, save_every=1000))
+    write_tiny_data(str(tmp_path / "eval"), n=8, seed=1)
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, save_every=1000, eval_every=20, eval_batches=2),
+                              data=dataclasses.replace(cfg.data, eval_dir=str(tmp_path / "eval")))
     trainer = Trainer(cfg, tiny_target())
     trainer.fit(progress=False)
     trainer.close()
@@ -89,6 +91,9 @@ def test_training_reduces_the_loss(tmp_path):
     assert last < 0.9 * first, (first, last)
     assert log[-1]["expected_tau"] > log[0]["expected_tau"]
     assert {"loss_ce", "loss_tv", "loss_conf", "grad_norm", "accuracy_per_position", "blocks_per_s"} <= set(log[-1])
+    evals = [r for r in log if "eval_expected_tau" in r]  # held-out tau proxy at steps 20 and 40
+    assert [r["step"] for r in evals] == [20, 40]
+    assert len(evals[-1]["eval_acceptance_per_position"]) == 4 and np.isfinite(evals[-1]["eval_loss"])
 
 
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (fake) devices")

@@ -89,18 +89,25 @@ def _cast(tree, dtype):
     return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
-def make_train_step(cfg: TrainConfig, dcfg: DrafterConfig, tcfg: ModelConfig, optimizer) -> Callable:
+def make_loss(cfg: TrainConfig, dcfg: DrafterConfig, tcfg: ModelConfig) -> Callable:
+    """loss(params, target_params, batch) -> (loss, metrics) in the run's compute dtype."""
     _, loss_fn = drafter_functions(dcfg)
     compute = jnp.dtype(cfg.run.compute_dtype)
+
+    def loss(params, target_params, batch):
+        target_params = _cast(jax.lax.stop_gradient(target_params), compute)
+        batch = with_target_features(target_params, tcfg, dcfg, batch)
+        return loss_fn(_cast(params, compute), target_params, tcfg.replace(dtype=str(compute)),
+                       _cast(batch, compute), cfg.loss)
+
+    return loss
+
+
+def make_train_step(cfg: TrainConfig, dcfg: DrafterConfig, tcfg: ModelConfig, optimizer) -> Callable:
+    micro_loss = make_loss(cfg, dcfg, tcfg)
     accum = cfg.optim.grad_accum
 
-    def micro_loss(params, target_params, micro):
-        micro = with_target_features(target_params, tcfg, dcfg, micro)
-        return loss_fn(_cast(params, compute), target_params, tcfg.replace(dtype=str(compute)),
-                       _cast(micro, compute), cfg.loss)
-
     def step(state: TrainState, target_params: dict, batch: dict):
-        target_params = _cast(jax.lax.stop_gradient(target_params), compute)
         micro_batches = jax.tree.map(lambda a: a.reshape((accum, a.shape[0] // accum) + a.shape[1:]), batch)
 
         def accumulate(grads_sum, micro):
@@ -136,19 +143,22 @@ def drafter_logical_axes(params: dict) -> dict:
     return jax.tree_util.tree_map_with_path(axes, params)
 
 
-def make_train_iterator(cfg: TrainConfig, dcfg: DrafterConfig):
-    """This process's checkpointable grain iterator of packed batches (grad_accum micro-batches each)."""
+def _packed_batches(cfg: TrainConfig, dcfg: DrafterConfig, folder: str, rows: int, epochs: int | None):
     from dspark_jax.data.pipeline import PackingConfig, make_dataset
 
-    rows = cfg.data.rows * cfg.optim.grad_accum
     if rows % jax.process_count():
-        raise UserError(f"data.rows x optim.grad_accum = {rows} rows must divide over {jax.process_count()} processes")
+        raise UserError(f"{rows} rows per step must divide over {jax.process_count()} processes")
     packing = PackingConfig(batch_size=rows // jax.process_count(), seq_len=cfg.data.seq_len,
                             max_blocks=cfg.data.blocks_per_row, block_size=dcfg.block_size,
-                            anchors_per_seq=cfg.data.anchors_per_seq, seed=cfg.data.seed)
-    if not os.path.isdir(cfg.data.train_dir):
-        raise UserError(f"no training data at {cfg.data.train_dir}: generate it with python -m dspark_jax.datagen")
-    return iter(make_dataset(cfg.data.train_dir, packing))
+                            anchors_per_seq=cfg.data.anchors_per_seq, seed=cfg.data.seed, num_epochs=epochs)
+    if not os.path.isdir(folder):
+        raise UserError(f"no data at {folder}: generate it with python -m dspark_jax.datagen")
+    return iter(make_dataset(folder, packing))
+
+
+def make_train_iterator(cfg: TrainConfig, dcfg: DrafterConfig):
+    """This process's checkpointable grain iterator of packed batches (grad_accum micro-batches each)."""
+    return _packed_batches(cfg, dcfg, cfg.data.train_dir, cfg.data.rows * cfg.optim.grad_accum, None)
 
 
 class Trainer:
@@ -182,6 +192,8 @@ class Trainer:
         self.train_step = jax.jit(step, in_shardings=(self.state_shardings, self.target_shardings, self.batch_sharding),
                                   out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
         self.data = data_factory(cfg, self.dcfg)
+        self.eval_step = jax.jit(make_loss(cfg, self.dcfg, target.config), out_shardings=replicated)
+        self.eval_sharding = NamedSharding(self.mesh, sharding.logical_spec(self.mesh, ("batch",), (cfg.data.rows,)))
         os.makedirs(cfg.run.out_dir, exist_ok=True)
         self.manager = ocp.CheckpointManager(
             os.path.abspath(os.path.join(cfg.run.out_dir, "checkpoints")),
@@ -221,6 +233,23 @@ class Trainer:
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
                 for k, v in batch.items()}
 
+    def evaluate(self, params) -> dict:
+        """Mean metrics over the first run.eval_batches batches of data.eval_dir (the same batches
+        every time: one epoch, fixed anchors), prefixed `eval_`; {} without eval data."""
+        if not self.cfg.data.eval_dir:
+            return {}
+        batches = _packed_batches(self.cfg, self.dcfg, self.cfg.data.eval_dir, self.cfg.data.rows, 1)
+        totals: dict = {}
+        count = 0
+        for batch, _ in zip(batches, range(self.cfg.run.eval_batches)):
+            batch = {k: jax.make_array_from_process_local_data(self.eval_sharding, np.asarray(v))
+                     for k, v in batch.items()}
+            _, metrics = self.eval_step(params, self.target_params, batch)
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0) + np.asarray(v, np.float64)
+            count += 1
+        return {f"eval_{k}": (v / max(count, 1)).tolist() for k, v in totals.items()}
+
     def fit(self, resume: bool = False, stop_after: int | None = None, progress: bool = True) -> TrainState:
         """Train to optim.steps (or stop after `stop_after` more steps, as an interruption would)."""
         cfg = self.cfg
@@ -246,7 +275,9 @@ class Trainer:
                     now = time.perf_counter()
                     record = {"step": step, **{k: np.asarray(v).tolist() for k, v in metrics.items()},
                               "blocks_per_s": blocks / (now - t_last), "rows": rows}
-                    t_last, blocks = now, 0
+                    if (cfg.run.eval_every and step % cfg.run.eval_every == 0) or step == cfg.optim.steps:
+                        record.update(self.evaluate(state.params))  # held-out tau proxy, per-position acceptance
+                    t_last, blocks = time.perf_counter(), 0
                     log.write(json.dumps(record) + "\n")
                     log.flush()
                     bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record.get('expected_tau', 0):.2f}")
