@@ -31,8 +31,6 @@ class DataConfig:
     seq_len: int = 1024  # S: tokens per packed row
     blocks_per_row: int = 32  # NB
     anchors_per_seq: int = 16
-    features: str = "online"  # "online": target runs in the step; "cache": precomputed features
-    feature_cache: str = ""  # folder written by `python -m dspark_jax.cache_features`
     seed: int = 0
 
 
