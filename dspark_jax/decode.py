@@ -57,10 +57,8 @@ def load_speculative(args, target):
 
     loaded = load_drafter(args.drafter, target.config, target.name)
     dcfg = loaded.config
-    if dcfg.kind != "dspark":
-        raise UserError(f"decoding with a {dcfg.kind} drafter is not supported yet (DSpark / DFlash drafters are)")
     gamma = args.gamma or dcfg.block_size
-    if not 1 <= gamma <= dcfg.block_size:
+    if gamma < 1 or (dcfg.kind == "dspark" and gamma > dcfg.block_size):
         raise UserError(f"--gamma {gamma} must be between 1 and the drafter's block size {dcfg.block_size}")
     if args.scheduler == "threshold" and not dcfg.confidence:
         raise UserError("--scheduler threshold needs a drafter with a confidence head")

@@ -100,3 +100,15 @@ def test_sampling_is_lossless(sampling, policy):
         assert tv < 0.045, (position, tv)
     pairs = lambda ids: np.bincount([t[1] * 32 + t[2] for t in ids], minlength=32 * 32) / len(ids)  # noqa: E731
     assert 0.5 * np.abs(pairs(plain) - pairs(spec.token_ids)).sum() < 0.08
+
+
+def test_eagle3_greedy_speculative_equals_greedy_target():
+    from dspark_jax.drafters.eagle3 import init_eagle3_params
+
+    dcfg = DrafterConfig(kind="eagle3", num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                         intermediate_size=48, vocab_size=32, head="none", confidence=False, target_layer_ids=(0, 2),
+                         target_vocab_size=32, target_hidden_size=32, target_num_layers=4)
+    dparams = init_eagle3_params(dcfg, jax.random.key(2), scale=0.3)
+    want = generate(TARGET, TCFG, PROMPTS, max_new_tokens=20).token_ids
+    got = speculative_generate(TARGET, TCFG, dparams, dcfg, PROMPTS, max_new_tokens=20, cfg=SpecConfig(gamma=3))
+    assert got.token_ids == want

@@ -1,9 +1,9 @@
-"""Batched speculative decoding with a DSpark / DFlash drafter (static shapes, one jit per round).
+"""Batched speculative decoding with a DSpark / DFlash / Eagle3 drafter (static shapes, one jit per round).
 
 Invariant between rounds, per row b:
   * the target KV cache holds every committed token except the newest one, the ANCHOR x_0, which
     sits at position p = cache.lengths[b] and has been emitted but not yet fed to the target;
-  * the drafter's context cache holds the target features of the same tokens (positions < p).
+  * the drafter's context (engine/drafting.py) holds the target features of the same tokens.
 
 A round: draft gamma tokens after x_0 (one backbone pass + head scan) -> schedule l_b draft tokens
 per row -> verify [x_0, x_1..x_l] in ONE target extend pass (padded [B, gamma+1] layout; rows append
@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from dspark_jax.drafters import dspark
 from dspark_jax.drafters.config import DrafterConfig
+from dspark_jax.engine import drafting
 from dspark_jax.engine import scheduler as S
 from dspark_jax.engine.acceptance import verify_greedy, verify_sampled
 from dspark_jax.engine.sps import SPSTable
@@ -49,7 +49,7 @@ class SpecConfig:
 @dataclasses.dataclass
 class SpecState:
     cache: decoder.KVCache
-    dcache: dspark.DrafterCache
+    draft: drafting.DraftState  # the drafter's context (features of the committed tokens)
     anchor: jax.Array  # [B] x_0 of the next round
     output: jax.Array  # [B, max_new + gamma + 1] emitted tokens (slack absorbs a last block)
     num_generated: jax.Array  # [B]
@@ -99,14 +99,14 @@ def spec_prefill(target_params, dparams, tokens, lengths, max_new, key, *, tcfg:
     B = tokens.shape[0]
     cache = decoder.init_cache(tcfg, B, max_len)
     hidden, cache, taps = decoder.forward(target_params, tcfg, tokens, cache, lengths, dcfg.tap_layers)
-    dcache = dspark.init_drafter_cache(dcfg, B, max_len, dtype=jnp.dtype(tcfg.dtype))
-    dcache = dspark.append_context(dparams, dcfg, dcache, jnp.concatenate(list(taps), -1), lengths)
+    draft = drafting.start(dparams, dcfg, target_params, tokens, lengths, jnp.concatenate(list(taps), -1), max_len,
+                           jnp.dtype(tcfg.dtype))
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
     key, sub = jax.random.split(key)
     first = sample(sub, decoder.logits(target_params, tcfg, last), cfg.sampling)
     output = jnp.zeros((B, int(max_len)), jnp.int32).at[:, 0].set(first)
     done = stop_mask(first, cfg.stop_ids) | (max_new <= 1)
-    return SpecState(cache, dcache, first, output, jnp.ones((B,), jnp.int32), done, max_new, key,
+    return SpecState(cache, draft, first, output, jnp.ones((B,), jnp.int32), done, max_new, key,
                      S.init_async_state(B))
 
 
@@ -118,9 +118,8 @@ def spec_round(target_params, dparams, state: SpecState, temperatures, *, tcfg: 
     active = ~state.done
     key, k_draft, k_verify = jax.random.split(state.key, 3)
 
-    proposal = dspark.propose(dparams, dcfg, target_params, tcfg, state.dcache, state.anchor, k_draft, cfg.sampling)
-    draft_tokens = proposal.tokens[:, :g]
-    conf = None if proposal.confidence_logits is None else proposal.confidence_logits[:, :g]
+    proposal = drafting.propose(dparams, dcfg, target_params, tcfg, state.draft, state.anchor, k_draft, cfg.sampling, g)
+    draft_tokens, conf = proposal.tokens, proposal.confidence_logits
     num_draft, sched = schedule(cfg, conf, temperatures, active, state.sched)
 
     verify_tokens = jnp.concatenate([state.anchor[:, None], draft_tokens], axis=1)  # [B, g+1]
@@ -130,14 +129,15 @@ def spec_round(target_params, dparams, state: SpecState, temperatures, *, tcfg: 
     if cfg.sampling.greedy:
         accepted, bonus = verify_greedy(draft_tokens, target_logits, num_draft)
     else:
-        accepted, bonus = verify_sampled(k_verify, draft_tokens, proposal.log_probs[:, :g],
+        accepted, bonus = verify_sampled(k_verify, draft_tokens, proposal.log_probs,
                                          processed_log_probs(target_logits, cfg.sampling), num_draft)
     accepted = jnp.where(active, accepted, 0)
 
     # Commit x_0..x_a: roll the target cache back to them; their features feed the drafter.
     committed = jnp.where(active, accepted + 1, 0)
     cache = dataclasses.replace(cache, lengths=state.cache.lengths + committed)
-    dcache = dspark.append_context(dparams, dcfg, state.dcache, jnp.concatenate(list(taps), -1), committed)
+    draft = drafting.commit(dparams, dcfg, target_params, state.draft, verify_tokens, jnp.concatenate(list(taps), -1),
+                            committed, active)
 
     # Emit x_1..x_a then the bonus; a stop token or the budget may end the row inside the block.
     slot = jnp.arange(g + 1)[None, :]
@@ -155,7 +155,7 @@ def spec_round(target_params, dparams, state: SpecState, temperatures, *, tcfg: 
 
     stats = RoundStats(active, num_draft, accepted,
                        jnp.zeros((B, g), jnp.float32) if conf is None else conf.astype(jnp.float32))
-    new_state = SpecState(cache, dcache, bonus, output, num_generated, done, state.max_new, key, sched)
+    new_state = SpecState(cache, draft, bonus, output, num_generated, done, state.max_new, key, sched)
     return new_state, stats
 
 
@@ -174,7 +174,7 @@ def speculative_generate(
     progress: bool = False,
 ) -> SpecResult:
     """Speculative decoding of a static batch of prompts (token ids)."""
-    if cfg.gamma > dcfg.block_size:
+    if dcfg.kind == "dspark" and cfg.gamma > dcfg.block_size:
         from dspark_jax.errors import UserError
 
         raise UserError(f"gamma={cfg.gamma} is larger than the drafter's block size {dcfg.block_size}")

@@ -1,0 +1,65 @@
+"""The engine's drafter bookkeeping: a context built round by round from verify passes equals one
+built from the whole committed prefix at once (for DSpark and Eagle3), so drafts are never stale
+or misaligned (which losslessness tests alone could not reveal)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.drafters.config import DrafterConfig
+from dspark_jax.drafters.dspark import init_drafter_params
+from dspark_jax.drafters.eagle3 import init_eagle3_params
+from dspark_jax.engine import drafting
+from dspark_jax.models import decoder
+from dspark_jax.models.config import ModelConfig
+from dspark_jax.sampling import SamplingConfig
+
+TCFG = ModelConfig(family="qwen3", vocab_size=48, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
+                   head_dim=8, intermediate_size=48, max_position_embeddings=128, qk_norm=True)
+TARGET = decoder.init_params(TCFG, jax.random.key(0), scale=0.3)
+COMMON = dict(num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48,
+              vocab_size=48, target_layer_ids=(0, 1), target_vocab_size=48, target_hidden_size=32, target_num_layers=3)
+DRAFTERS = {
+    "dspark": lambda: (lambda c: (c, init_drafter_params(c, jax.random.key(1), scale=0.3)))(
+        DrafterConfig(kind="dspark", block_size=4, head="markov", markov_rank=8, mask_token_id=47, **COMMON)),
+    "eagle3": lambda: (lambda c: (c, init_eagle3_params(c, jax.random.key(1), scale=0.3)))(
+        DrafterConfig(kind="eagle3", head="none", confidence=False, **COMMON)),
+}
+MAX_LEN, G = 64, 4
+
+
+def prefill(tokens, lengths):
+    cache = decoder.init_cache(TCFG, tokens.shape[0], MAX_LEN)
+    _, cache, taps = decoder.forward(TARGET, TCFG, tokens, cache, lengths, (1, 2))
+    return cache, jnp.concatenate(list(taps), -1)
+
+
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_round_by_round_context_equals_prefix_context(kind):
+    dcfg, dparams = DRAFTERS[kind]()
+    rng = np.random.default_rng(0)
+    seqs = rng.integers(1, 48, size=(2, 30)).astype(np.int32)
+    prompt_lens = np.array([6, 9], np.int32)
+    tokens = np.where(np.arange(30) < prompt_lens[:, None], seqs, 0)
+    cache, taps = prefill(jnp.asarray(tokens[:, :16]), jnp.asarray(prompt_lens))
+    state = drafting.start(dparams, dcfg, TARGET, jnp.asarray(tokens[:, :16]), jnp.asarray(prompt_lens), taps,
+                           MAX_LEN, jnp.float32)
+    pos = prompt_lens.copy()  # the anchor's position = committed tokens fed to the target
+    for committed in ([3, 1], [1, 5], [5, 2]):  # tokens kept per row this round (accepted + 1)
+        committed = np.asarray(committed, np.int32)
+        verify = np.stack([seqs[b, pos[b]: pos[b] + G + 1] for b in range(2)])  # [x_0, x_1..x_g]
+        _, cache, vtaps = decoder.forward(TARGET, TCFG, jnp.asarray(verify), cache, jnp.asarray(committed), (1, 2))
+        state = drafting.commit(dparams, dcfg, TARGET, state, jnp.asarray(verify), jnp.concatenate(list(vtaps), -1),
+                                jnp.asarray(committed), jnp.array([True, True]))
+        pos += committed
+    anchor = jnp.asarray(seqs[np.arange(2), pos])
+
+    _, full_taps = prefill(jnp.asarray(np.where(np.arange(30) < pos[:, None], seqs, 0)), jnp.asarray(pos))
+    fresh = drafting.start(dparams, dcfg, TARGET, jnp.asarray(np.where(np.arange(30) < pos[:, None], seqs, 0)),
+                           jnp.asarray(pos), full_taps, MAX_LEN, jnp.float32)
+    a = drafting.propose(dparams, dcfg, TARGET, TCFG, state, anchor, jax.random.key(3), SamplingConfig(), G)
+    b = drafting.propose(dparams, dcfg, TARGET, TCFG, fresh, anchor, jax.random.key(3), SamplingConfig(), G)
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    np.testing.assert_allclose(np.asarray(a.log_probs), np.asarray(b.log_probs), atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(state.cache.lengths), np.asarray(fresh.cache.lengths))
