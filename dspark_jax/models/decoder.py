@@ -245,6 +245,64 @@ def forward_packed(
     return hidden, taps
 
 
+
+def forward_flat(
+    params: dict,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    rows: jax.Array,
+    positions: jax.Array,
+    valid: jax.Array,
+    cache: KVCache,
+    tap_layers: Sequence[int] = (),
+) -> tuple[jax.Array, KVCache, jax.Array | None]:
+    """Verify step over FLATTENED tokens of all requests (DESIGN.md 3.4): cost follows the token
+    bucket N, not R x (gamma+1).
+
+    tokens, rows, positions: [N] int; valid: [N] bool. Entry n is a new token of request `rows[n]`
+    at absolute position `positions[n]`; entries with valid=False are padding: their K/V writes are
+    dropped and their outputs are meaningless. In each layer every valid token's K/V is written at
+    (rows[n], positions[n]) before attention, and token n attends to row rows[n]'s cache at key
+    positions <= positions[n] (so cache slots of that row below positions[n] must already hold the
+    committed prefix or tokens of this same call). Valid entries must have distinct (row, position)
+    pairs; positions >= max_len are dropped like in `forward`.
+
+    `cache.lengths` is NOT changed: the caller commits by setting lengths after acceptance (entries
+    past the committed length are invisible to `forward`, so rejected drafts need no cleanup).
+    Returns (final-normed hidden [N, d], cache, taps [len(tap_layers), N, d] or None).
+    """
+    R, S = cache.k.shape[1], cache.max_len
+    rows = rows.astype(jnp.int32)
+    positions = positions.astype(jnp.int32)
+    # Padding is routed to row R (out of range) so mode="drop" discards its writes.
+    write_rows = jnp.where(valid, rows, R)
+    # Attention strategy: score each token against the WHOLE cache flattened to R*S keys and mask by
+    # (row, position), i.e. `attention` with B=1, T=N. The alternative (gather each token's row:
+    # B=N, T=1) materialises an [N, S, Hkv, D] copy of the keys and values per layer, (gamma+1) x
+    # the cache, while the masked form reads the cache once in place and its extra cost is the
+    # [H, N, R*S] score matrix (smaller than the two copies while R*H < 2*Hkv*D) plus R x the QK flops,
+    # which at the small N, R of a verify step are cheaper than the copy. For large R a paged /
+    # row-blocked kernel would be the next step.
+    key_row = jnp.repeat(jnp.arange(R, dtype=jnp.int32), S)  # [R*S]
+    key_pos = jnp.tile(jnp.arange(S, dtype=jnp.int32), R)
+    visible = (key_row[None, :] == rows[:, None]) & (key_pos[None, :] <= positions[:, None])  # [N, R*S]
+    visible = visible[None]  # [1, N, R*S]
+
+    def attend(lp, q, k_new, v_new, kv, i):
+        k_all, v_all = kv
+        k_layer = k_all[i].at[write_rows, positions].set(k_new[0], mode="drop")  # [R, S, Hkv, D]
+        v_layer = v_all[i].at[write_rows, positions].set(v_new[0], mode="drop")
+        out = attention(q, k_layer.reshape((1, R * S) + k_layer.shape[2:]),
+                        v_layer.reshape((1, R * S) + v_layer.shape[2:]), visible)
+        return out, (jax.lax.dynamic_update_index_in_dim(k_all, k_layer, i, 0),
+                     jax.lax.dynamic_update_index_in_dim(v_all, v_layer, i, 0))
+
+    cos, sin = rope_tables(cfg, positions[None])  # the flat tokens as one [1, N] "row"
+    x = params["embed"][tokens[None]].astype(cfg.dtype)
+    hidden, (k_all, v_all), taps = run_layers(params, cfg, x, cos, sin, attend, (cache.k, cache.v), tap_layers)
+    return hidden[0], KVCache(k_all, v_all, cache.lengths), (None if taps is None else taps[:, 0])
+
+
 def logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """The (frozen) LM head, in fp32: [..., d] -> [..., vocab]."""
     if cfg.tie_word_embeddings:  # contract against the [V, d] table directly: no transposed copy
