@@ -108,6 +108,19 @@ def check_context(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_token
                         f"of {cfg.max_position_embeddings} tokens")
 
 
+def pad_prompts(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int, slack: int = 0):
+    """Right-pad prompts to a length bucket -> (tokens [B, W], lengths, KV-cache length). The cache
+    covers the prompt bucket (prefill writes padding there), every generated token and `slack`
+    positions a speculative round may write past them."""
+    lengths = [len(p) for p in prompts]
+    check_context(cfg, lengths, max_new_tokens)
+    width = bucket(max(lengths))
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    return tokens, lengths, bucket(max(width, max(lengths) + max_new_tokens + slack), minimum=64)
+
+
 def generate(
     params: dict,
     cfg: ModelConfig,
@@ -123,14 +136,7 @@ def generate(
     """Generate up to `max_new_tokens` for every prompt (token ids); rows stop at a stop id."""
     if max_new_tokens < 1:
         raise UserError("max_new_tokens must be at least 1")
-    lengths = [len(p) for p in prompts]
-    check_context(cfg, lengths, max_new_tokens)
-    width = bucket(max(lengths))
-    tokens = np.zeros((len(prompts), width), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-    # Cache covers the prompt bucket (prefill writes padding there) and every generated token.
-    max_len = bucket(max(width, max(lengths) + max_new_tokens), minimum=64)
+    tokens, lengths, max_len = pad_prompts(cfg, prompts, max_new_tokens)
     stop = tuple(sorted(set(int(s) for s in stop_ids)))
 
     args = (params, jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32), jax.random.key(seed))

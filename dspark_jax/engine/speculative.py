@@ -29,7 +29,7 @@ from dspark_jax.engine import drafting
 from dspark_jax.engine import scheduler as S
 from dspark_jax.engine.acceptance import verify_greedy, verify_sampled
 from dspark_jax.engine.sps import SPSTable
-from dspark_jax.generate import GenerationResult, bucket, check_context, compiled, stop_mask
+from dspark_jax.generate import GenerationResult, compiled, pad_prompts, stop_mask
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.sampling import SamplingConfig, processed_log_probs, sample
@@ -178,13 +178,7 @@ def speculative_generate(
         from dspark_jax.errors import UserError
 
         raise UserError(f"gamma={cfg.gamma} is larger than the drafter's block size {dcfg.block_size}")
-    lengths = [len(p) for p in prompts]
-    check_context(tcfg, lengths, max_new_tokens)
-    width = bucket(max(lengths))
-    tokens = np.zeros((len(prompts), width), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-    max_len = bucket(max(width, max(lengths) + max_new_tokens + cfg.gamma + 1), minimum=64)
+    tokens, lengths, max_len = pad_prompts(tcfg, prompts, max_new_tokens, slack=cfg.gamma + 1)
     temps = None if temperatures is None else jnp.asarray(temperatures, jnp.float32)
     args = (target_params, dparams, jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32),
             jnp.full((len(prompts),), max_new_tokens, jnp.int32), jax.random.key(seed))
