@@ -112,3 +112,30 @@ def test_eagle3_greedy_speculative_equals_greedy_target():
     want = generate(TARGET, TCFG, PROMPTS, max_new_tokens=20).token_ids
     got = speculative_generate(TARGET, TCFG, dparams, dcfg, PROMPTS, max_new_tokens=20, cfg=SpecConfig(gamma=3))
     assert got.token_ids == want
+
+
+@pytest.mark.parametrize("policy", ["fixed", "threshold", "dspark_async"])
+def test_flattened_bucketed_verify_is_lossless_and_matches_padded(policy):
+    """Verify over flattened tokens padded to a token bucket: same output as plain greedy decoding,
+    and the same rounds (taus) as the padded layout."""
+    dcfg, dparams = drafter()
+    want = generate(TARGET, TCFG, PROMPTS, max_new_tokens=24).token_ids
+    common = dict(gamma=4, policy=policy, threshold=0.3, sps=SPS)
+    padded = speculative_generate(TARGET, TCFG, dparams, dcfg, PROMPTS, max_new_tokens=24, cfg=SpecConfig(**common))
+    flat = speculative_generate(TARGET, TCFG, dparams, dcfg, PROMPTS, max_new_tokens=24,
+                                cfg=SpecConfig(**common, verify_buckets=(4, 8, 16)))
+    assert flat.token_ids == padded.token_ids == want
+    np.testing.assert_array_equal(flat.acceptance_lengths(), padded.acceptance_lengths())
+
+
+def test_flattened_verify_sampling_is_lossless():
+    dcfg, dparams = drafter()
+    prompts = [[3, 1, 4]] * 3072
+    sampling = SamplingConfig(1.0)
+    plain = generate(TARGET, TCFG, prompts, max_new_tokens=2, sampling=sampling, seed=1).token_ids
+    spec = speculative_generate(TARGET, TCFG, dparams, dcfg, prompts, max_new_tokens=2, seed=10,
+                                cfg=SpecConfig(gamma=4, sampling=sampling, policy="threshold", threshold=0.3,
+                                               verify_buckets=(3072, 6144, 12288, 15360))).token_ids
+    for position in range(2):
+        tv = 0.5 * np.abs(_empirical(plain, position) - _empirical(spec, position)).sum()
+        assert tv < 0.06, (position, tv)

@@ -28,7 +28,7 @@ from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.engine import drafting
 from dspark_jax.engine import scheduler as S
 from dspark_jax.engine.acceptance import verify_greedy, verify_sampled
-from dspark_jax.engine.sps import SPSTable
+from dspark_jax.engine.sps import SPSTable, pad_to_bucket
 from dspark_jax.generate import GenerationResult, compiled, pad_prompts, stop_mask
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
@@ -43,6 +43,9 @@ class SpecConfig:
     threshold: float = 0.5  # for policy="threshold": verify while prefix survival >= threshold
     stop_ids: tuple[int, ...] = ()
     sps: SPSTable | None = None  # verify steps/s per token bucket, for the dspark policies
+    # Verify over flattened tokens padded to one of these token buckets (cost follows the schedule;
+    # the host picks the bucket between drafting and verification). None: padded [B, gamma+1].
+    verify_buckets: tuple[int, ...] | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -110,34 +113,75 @@ def spec_prefill(target_params, dparams, tokens, lengths, max_new, key, *, tcfg:
                      S.init_async_state(B))
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "cfg"), donate_argnames=("state",))
-def spec_round(target_params, dparams, state: SpecState, temperatures, *, tcfg: ModelConfig, dcfg: DrafterConfig,
-               cfg: SpecConfig) -> tuple[SpecState, RoundStats]:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Drafted:
+    """A round's draft and schedule, before verification."""
+
+    tokens: jax.Array  # [B, g] draft tokens x_1..x_g
+    log_probs: jax.Array  # [B, g, V] processed draft distributions
+    confidence_logits: jax.Array  # [B, g] raw (zeros without a confidence head)
+    num_draft: jax.Array  # [B] draft tokens to verify (0 for inactive rows)
+    sched: S.AsyncSchedulerState
+    key: jax.Array  # the state's next key
+    verify_key: jax.Array
+
+
+def draft_and_schedule(target_params, dparams, state: SpecState, temperatures, *, tcfg: ModelConfig,
+                       dcfg: DrafterConfig, cfg: SpecConfig) -> Drafted:
+    active = ~state.done
+    key, k_draft, k_verify = jax.random.split(state.key, 3)
+    proposal = drafting.propose(dparams, dcfg, target_params, tcfg, state.draft, state.anchor, k_draft, cfg.sampling,
+                                cfg.gamma)
+    conf = proposal.confidence_logits
+    num_draft, sched = schedule(cfg, conf, temperatures, active, state.sched)
+    conf = jnp.zeros(proposal.tokens.shape, jnp.float32) if conf is None else conf.astype(jnp.float32)
+    return Drafted(proposal.tokens, proposal.log_probs, conf, num_draft, sched, key, k_verify)
+
+
+def _target_pass(target_params, tcfg: ModelConfig, tap_layers, cache: decoder.KVCache, verify_tokens, num_new,
+                 bucket: int | None):
+    """Target logits [B, g+1, V] and taps [B, g+1, m*d] of the verify tokens; the cache gets their K/V
+    (lengths are set by the caller). bucket=None: padded [B, g+1] layout. bucket=N: the sum(num_new)
+    scheduled tokens flattened and padded to N, so the pass costs what was scheduled (DESIGN.md 3.4)."""
+    if bucket is None:
+        hidden, cache, taps = decoder.forward(target_params, tcfg, verify_tokens, cache, num_new, tap_layers)
+        return decoder.logits(target_params, tcfg, hidden), jnp.concatenate(list(taps), -1), cache
+    B, width = verify_tokens.shape
+    ends = jnp.cumsum(num_new)
+    n = jnp.arange(bucket)
+    row = jnp.minimum(jnp.searchsorted(ends, n, side="right"), B - 1)
+    valid = n < ends[-1]
+    slot = jnp.clip(n - (ends - num_new)[row], 0, width - 1)
+    hidden, cache, taps = decoder.forward_flat(target_params, tcfg, verify_tokens[row, slot], row,
+                                               cache.lengths[row] + slot, valid, cache, tap_layers, width=width)
+    back_row = jnp.where(valid, row, B)  # padding entries scatter out of range (dropped)
+    unflatten = lambda x: jnp.zeros((B, width) + x.shape[1:], x.dtype).at[back_row, slot].set(x, mode="drop")  # noqa: E731
+    features = jnp.concatenate(list(taps), -1)
+    return unflatten(decoder.logits(target_params, tcfg, hidden)), unflatten(features), cache
+
+
+def verify_and_commit(target_params, dparams, state: SpecState, drafted: Drafted, *, tcfg: ModelConfig,
+                      dcfg: DrafterConfig, cfg: SpecConfig, bucket: int | None = None) -> tuple[SpecState, RoundStats]:
     g = cfg.gamma
     B = state.anchor.shape[0]
     active = ~state.done
-    key, k_draft, k_verify = jax.random.split(state.key, 3)
-
-    proposal = drafting.propose(dparams, dcfg, target_params, tcfg, state.draft, state.anchor, k_draft, cfg.sampling, g)
-    draft_tokens, conf = proposal.tokens, proposal.confidence_logits
-    num_draft, sched = schedule(cfg, conf, temperatures, active, state.sched)
-
+    draft_tokens, num_draft = drafted.tokens, drafted.num_draft
     verify_tokens = jnp.concatenate([state.anchor[:, None], draft_tokens], axis=1)  # [B, g+1]
     num_new = jnp.where(active, num_draft + 1, 0)
-    hidden, cache, taps = decoder.forward(target_params, tcfg, verify_tokens, state.cache, num_new, dcfg.tap_layers)
-    target_logits = decoder.logits(target_params, tcfg, hidden)  # [B, g+1, V]
+    target_logits, taps, cache = _target_pass(target_params, tcfg, dcfg.tap_layers, state.cache, verify_tokens,
+                                              num_new, bucket)
     if cfg.sampling.greedy:
         accepted, bonus = verify_greedy(draft_tokens, target_logits, num_draft)
     else:
-        accepted, bonus = verify_sampled(k_verify, draft_tokens, proposal.log_probs,
+        accepted, bonus = verify_sampled(drafted.verify_key, draft_tokens, drafted.log_probs,
                                          processed_log_probs(target_logits, cfg.sampling), num_draft)
     accepted = jnp.where(active, accepted, 0)
 
     # Commit x_0..x_a: roll the target cache back to them; their features feed the drafter.
     committed = jnp.where(active, accepted + 1, 0)
     cache = dataclasses.replace(cache, lengths=state.cache.lengths + committed)
-    draft = drafting.commit(dparams, dcfg, target_params, state.draft, verify_tokens, jnp.concatenate(list(taps), -1),
-                            committed, active)
+    draft = drafting.commit(dparams, dcfg, target_params, state.draft, verify_tokens, taps, committed, active)
 
     # Emit x_1..x_a then the bonus; a stop token or the budget may end the row inside the block.
     slot = jnp.arange(g + 1)[None, :]
@@ -153,10 +197,24 @@ def spec_round(target_params, dparams, state: SpecState, temperatures, *, tcfg: 
     num_generated = state.num_generated + count
     done = state.done | (active & jnp.any(stops, -1)) | (num_generated >= state.max_new)
 
-    stats = RoundStats(active, num_draft, accepted,
-                       jnp.zeros((B, g), jnp.float32) if conf is None else conf.astype(jnp.float32))
-    new_state = SpecState(cache, draft, bonus, output, num_generated, done, state.max_new, key, sched)
+    stats = RoundStats(active, num_draft, accepted, drafted.confidence_logits)
+    new_state = SpecState(cache, draft, bonus, output, num_generated, done, state.max_new, drafted.key, drafted.sched)
     return new_state, stats
+
+
+_STATIC = ("tcfg", "dcfg", "cfg")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
+def spec_round(target_params, dparams, state: SpecState, temperatures, *, tcfg: ModelConfig, dcfg: DrafterConfig,
+               cfg: SpecConfig) -> tuple[SpecState, RoundStats]:
+    """A whole round in one program, verifying in the padded [B, g+1] layout."""
+    drafted = draft_and_schedule(target_params, dparams, state, temperatures, tcfg=tcfg, dcfg=dcfg, cfg=cfg)
+    return verify_and_commit(target_params, dparams, state, drafted, tcfg=tcfg, dcfg=dcfg, cfg=cfg)
+
+
+spec_draft = jax.jit(draft_and_schedule, static_argnames=_STATIC)
+spec_verify = jax.jit(verify_and_commit, static_argnames=_STATIC + ("bucket",), donate_argnames=("state",))
 
 
 @dataclasses.dataclass
@@ -184,8 +242,21 @@ def speculative_generate(
             jnp.full((len(prompts),), max_new_tokens, jnp.int32), jax.random.key(seed))
     t0 = time.perf_counter()
     run_prefill = compiled(spec_prefill, args, dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg, max_len=max_len))
-    run_round = compiled(spec_round, (target_params, dparams, run_prefill.out_info, temps),
-                         dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg))
+    statics = dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg)
+    state_shape = run_prefill.out_info
+    if cfg.verify_buckets is None:
+        run_round = compiled(spec_round, (target_params, dparams, state_shape, temps), statics)
+    else:
+        if cfg.verify_buckets[-1] < len(prompts) * (cfg.gamma + 1):
+            raise ValueError(f"verify buckets {cfg.verify_buckets} do not cover {len(prompts)} x (gamma + 1) tokens")
+        run_draft = compiled(spec_draft, (target_params, dparams, state_shape, temps), statics)
+        run_verify = {n: compiled(spec_verify, (target_params, dparams, state_shape, run_draft.out_info),
+                                  dict(statics, bucket=n)) for n in cfg.verify_buckets}
+
+        def run_round(target_params, dparams, state, temps):
+            drafted = run_draft(target_params, dparams, state, temps)
+            scheduled = int(jnp.sum(jnp.where(state.done, 0, drafted.num_draft + 1)))  # the host picks the bucket
+            return run_verify[int(pad_to_bucket(cfg.verify_buckets, scheduled))](target_params, dparams, state, drafted)
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     state = run_prefill(*args)

@@ -255,6 +255,7 @@ def forward_flat(
     valid: jax.Array,
     cache: KVCache,
     tap_layers: Sequence[int] = (),
+    width: int | None = None,
 ) -> tuple[jax.Array, KVCache, jax.Array | None]:
     """Verify step over FLATTENED tokens of all requests (DESIGN.md 3.4): cost follows the token
     bucket N, not R x (gamma+1).
@@ -269,31 +270,32 @@ def forward_flat(
 
     `cache.lengths` is NOT changed: the caller commits by setting lengths after acceptance (entries
     past the committed length are invisible to `forward`, so rejected drafts need no cleanup).
-    Returns (final-normed hidden [N, d], cache, taps [len(tap_layers), N, d] or None).
+    width (static): the most new tokens any one row has in this call (gamma + 1 for a verify step;
+    default N). Returns (final-normed hidden [N, d], cache, taps [len(tap_layers), N, d] or None).
     """
-    R, S = cache.k.shape[1], cache.max_len
+    width = tokens.shape[0] if width is None else width
+    R = cache.k.shape[1]
     rows = rows.astype(jnp.int32)
     positions = positions.astype(jnp.int32)
-    # Padding is routed to row R (out of range) so mode="drop" discards its writes.
+    # Padding is routed to row R (out of range) so mode="drop" discards its writes and gathers.
     write_rows = jnp.where(valid, rows, R)
-    # Attention strategy: score each token against the WHOLE cache flattened to R*S keys and mask by
-    # (row, position), i.e. `attention` with B=1, T=N. The alternative (gather each token's row:
-    # B=N, T=1) materialises an [N, S, Hkv, D] copy of the keys and values per layer, (gamma+1) x
-    # the cache, while the masked form reads the cache once in place and its extra cost is the
-    # [H, N, R*S] score matrix (smaller than the two copies while R*H < 2*Hkv*D) plus R x the QK flops,
-    # which at the small N, R of a verify step are cheaper than the copy. For large R a paged /
-    # row-blocked kernel would be the next step.
-    key_row = jnp.repeat(jnp.arange(R, dtype=jnp.int32), S)  # [R*S]
-    key_pos = jnp.tile(jnp.arange(S, dtype=jnp.int32), R)
-    visible = (key_row[None, :] == rows[:, None]) & (key_pos[None, :] <= positions[:, None])  # [N, R*S]
-    visible = visible[None]  # [1, N, R*S]
+    # Attention strategy: the dense layers (projections, MLP, LM head: nearly all the flops) run on
+    # the N flat tokens, but attention runs in the padded per-request layout [R, width]: queries are
+    # scattered to (row, slot), attend to their own row's cache exactly as in `forward`, and are
+    # gathered back. Its cost is R x width x S, small next to the weights, and nothing of size
+    # N x R x S (every token against every row) or N x S x Hkv x D (a per-token copy of the cache)
+    # is ever materialised.
+    slot = jnp.clip(positions - cache.lengths[rows], 0, width - 1)
+    padded_pos = cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)[None]  # [R, width]
+    visible = jnp.arange(cache.max_len, dtype=jnp.int32)[None, None, :] <= padded_pos[:, :, None]
 
     def attend(lp, q, k_new, v_new, kv, i):
         k_all, v_all = kv
         k_layer = k_all[i].at[write_rows, positions].set(k_new[0], mode="drop")  # [R, S, Hkv, D]
         v_layer = v_all[i].at[write_rows, positions].set(v_new[0], mode="drop")
-        out = attention(q, k_layer.reshape((1, R * S) + k_layer.shape[2:]),
-                        v_layer.reshape((1, R * S) + v_layer.shape[2:]), visible)
+        q_padded = jnp.zeros((R, width) + q.shape[2:], q.dtype).at[write_rows, slot].set(q[0], mode="drop")
+        out = attention(q_padded, k_layer, v_layer, visible)  # [R, width, H*D]
+        out = out.at[write_rows, slot].get(mode="fill", fill_value=0)[None]  # back to [1, N, H*D]
         return out, (jax.lax.dynamic_update_index_in_dim(k_all, k_layer, i, 0),
                      jax.lax.dynamic_update_index_in_dim(v_all, v_layer, i, 0))
 
