@@ -21,8 +21,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--target", default=DEFAULT_TARGET,
                    help=f"known name ({', '.join(KNOWN_TARGETS)}), Hugging Face folder or .gguf file")
     p.add_argument("--drafter", default="none", help="drafter checkpoint folder, or 'none' for plain target decoding")
-    p.add_argument("--scheduler", default="fixed", choices=["fixed", "mtp1", "threshold"],
-                   help="draft tokens verified per request and round")
+    p.add_argument("--scheduler", default="fixed", choices=["fixed", "mtp1", "threshold", "dspark", "dspark-async"],
+                   help="draft tokens verified per request and round (docs/decoding.md)")
+    p.add_argument("--sps-table", default=None,
+                   help="SPS table JSON for the dspark schedulers (default: .dspark_cache/, profiled when missing)")
+    p.add_argument("--profile-sps", action="store_true", help="re-profile the SPS table even if one exists")
     p.add_argument("--gamma", type=int, default=None, help="draft tokens per round (default: the drafter's block)")
     p.add_argument("--threshold", type=float, default=0.5, help="prefix-survival threshold for --scheduler threshold")
     p.add_argument("--compare-ar", action="store_true", help="also run plain target decoding and report the speedup")
@@ -60,18 +63,50 @@ def load_speculative(args, target):
     gamma = args.gamma or dcfg.block_size
     if gamma < 1 or (dcfg.kind == "dspark" and gamma > dcfg.block_size):
         raise UserError(f"--gamma {gamma} must be between 1 and the drafter's block size {dcfg.block_size}")
-    if args.scheduler == "threshold" and not dcfg.confidence:
-        raise UserError("--scheduler threshold needs a drafter with a confidence head")
+    if args.scheduler in ("threshold", "dspark", "dspark-async") and not dcfg.confidence:
+        raise UserError(f"--scheduler {args.scheduler} needs a drafter with a confidence head")
     dparams = jax.tree.map(lambda a: jnp.asarray(a, target.config.dtype), loaded.params)
+    policy = args.scheduler.replace("-", "_")
+    sps = sps_table(args, target, dcfg, gamma) if policy.startswith("dspark") else None
+    # Every policy but "fixed" verifies fewer tokens than R x (gamma + 1): flatten them into buckets.
+    buckets = None
+    if policy != "fixed":
+        from dspark_jax.engine.sps import token_buckets
+
+        buckets = sps.buckets if sps is not None else token_buckets(args.batch_size * (gamma + 1))
 
     def run(batch, sampling, seed):
-        cfg = SpecConfig(gamma=gamma, sampling=sampling, policy=args.scheduler, threshold=args.threshold,
-                         stop_ids=tuple(target.tokenizer.eos_token_ids))
+        cfg = SpecConfig(gamma=gamma, sampling=sampling, policy=policy, threshold=args.threshold,
+                         stop_ids=tuple(target.tokenizer.eos_token_ids), sps=sps, verify_buckets=buckets)
         return speculative_generate(target.params, target.config, dparams, dcfg, batch,
                                     max_new_tokens=args.max_new_tokens, cfg=cfg, temperatures=loaded.sts_temperatures,
                                     seed=seed, progress=not args.json)
 
     return run
+
+
+def sps_table(args, target, dcfg, gamma):
+    """Load the SPS table for this device, target, batch size and gamma, or profile and save it."""
+    import os
+
+    from dspark_jax.engine.speculative import profile_verify
+    from dspark_jax.engine.sps import device_kind, load_sps_table, save_sps_table, token_buckets
+
+    model = f"{target.name}:{target.config.num_layers}x{target.config.hidden_size}:{target.config.dtype}"
+    buckets = token_buckets(args.batch_size * (gamma + 1))
+    path = args.sps_table or os.path.join(
+        ".dspark_cache", f"sps_{target.name}_{device_kind().replace(' ', '_')}_b{args.batch_size}_g{gamma}.json")
+    if os.path.exists(path) and not args.profile_sps:
+        return load_sps_table(path, device=device_kind(), model=model, buckets=buckets)
+    if args.sps_table and not args.profile_sps:
+        raise UserError(f"no SPS table at {args.sps_table} (add --profile-sps to measure one)")
+    if not args.json:
+        print(f"profiling the verify step for {len(buckets)} token buckets ...", file=sys.stderr)
+    max_len = 512
+    table = profile_verify(target.params, target.config, dcfg, rows=args.batch_size, gamma=gamma, max_len=max_len,
+                           model=model)
+    save_sps_table(path, table)
+    return table
 
 
 def request_stats(result) -> list[dict]:

@@ -156,3 +156,22 @@ def test_speculative_bad_input(capsys, tiny_target_folder, tiny_drafter):
     assert_fails(capsys, "no drafter checkpoint at", "--target", tiny_target_folder, "--prompt", "w1",
                  "--drafter", tiny_drafter + "-missing")
     assert_fails(capsys, "drafter was trained for target tiny", "--prompt", "w1", "--drafter", tiny_drafter)
+
+
+@pytest.mark.parametrize("scheduler", ["dspark", "dspark-async", "mtp1"])
+def test_confidence_schedulers_from_the_cli(capsys, tiny_target_folder, tiny_drafter, tmp_path, scheduler):
+    """The dspark schedulers profile an SPS table (saved, then reused) and stay lossless."""
+    table = tmp_path / "sps.json"
+    base = ["--target", tiny_target_folder, "--prompt", "w5 w6 w7", "--prompt", "w9 w1", "--max-new-tokens", "10",
+            "--json", "--batch-size", "2"]
+    code, out, _ = run(capsys, *base)
+    plain = [json.loads(line)["token_ids"] for line in out.strip().splitlines()]
+    args = base + ["--drafter", tiny_drafter, "--scheduler", scheduler, "--sps-table", str(table), "--profile-sps"]
+    code, out, err = run(capsys, *args)
+    assert code == 0, err
+    assert [json.loads(line)["token_ids"] for line in out.strip().splitlines()] == plain
+    if scheduler.startswith("dspark"):
+        saved = json.loads(table.read_text())
+        assert saved["buckets"] == [1, 2, 4, 8, 10]
+        code, out, err = run(capsys, *args[:-1])  # reuses the saved table
+        assert code == 0, err

@@ -139,7 +139,7 @@ def draft_and_schedule(target_params, dparams, state: SpecState, temperatures, *
     return Drafted(proposal.tokens, proposal.log_probs, conf, num_draft, sched, key, k_verify)
 
 
-def _target_pass(target_params, tcfg: ModelConfig, tap_layers, cache: decoder.KVCache, verify_tokens, num_new,
+def _target_pass(target_params, *, tcfg: ModelConfig, tap_layers, cache: decoder.KVCache, verify_tokens, num_new,
                  bucket: int | None):
     """Target logits [B, g+1, V] and taps [B, g+1, m*d] of the verify tokens; the cache gets their K/V
     (lengths are set by the caller). bucket=None: padded [B, g+1] layout. bucket=N: the sum(num_new)
@@ -169,8 +169,8 @@ def verify_and_commit(target_params, dparams, state: SpecState, drafted: Drafted
     draft_tokens, num_draft = drafted.tokens, drafted.num_draft
     verify_tokens = jnp.concatenate([state.anchor[:, None], draft_tokens], axis=1)  # [B, g+1]
     num_new = jnp.where(active, num_draft + 1, 0)
-    target_logits, taps, cache = _target_pass(target_params, tcfg, dcfg.tap_layers, state.cache, verify_tokens,
-                                              num_new, bucket)
+    target_logits, taps, cache = _target_pass(target_params, tcfg=tcfg, tap_layers=dcfg.tap_layers, cache=state.cache,
+                                              verify_tokens=verify_tokens, num_new=num_new, bucket=bucket)
     if cfg.sampling.greedy:
         accepted, bonus = verify_greedy(draft_tokens, target_logits, num_draft)
     else:
@@ -277,3 +277,23 @@ def speculative_generate(
     t2 = time.perf_counter()
     return SpecResult([output[i, : counts[i]].tolist() for i in range(len(prompts))], t1 - t0, t2 - t1,
                       compile_s, rounds)
+
+
+def profile_verify(target_params, tcfg: ModelConfig, dcfg: DrafterConfig, *, rows: int, gamma: int, max_len: int,
+                   model: str, repeats: int = 3):
+    """Profile the target verify pass (the round's dominant cost) for every token bucket up to
+    rows x (gamma + 1) on this device: the SPS table the dspark schedulers plan with."""
+    from dspark_jax.engine.sps import profile_sps, token_buckets
+
+    buckets = token_buckets(rows * (gamma + 1))
+    cache = decoder.init_cache(tcfg, rows, max_len)
+    cache = dataclasses.replace(cache, lengths=jnp.full((rows,), max_len // 2, jnp.int32))  # a half-full context
+    programs = {}
+    for n in buckets:
+        counts = jnp.full((rows,), n // rows, jnp.int32).at[: n % rows].add(1)
+        verify = jnp.zeros((rows, gamma + 1), jnp.int32)
+        fn = jax.jit(functools.partial(_target_pass, tcfg=tcfg, tap_layers=dcfg.tap_layers, bucket=n))
+        programs[n] = functools.partial(fn.lower(target_params, cache=cache, verify_tokens=verify,
+                                                 num_new=counts).compile(), target_params, cache=cache,
+                                        verify_tokens=verify, num_new=counts)
+    return profile_sps(lambda n: programs[n](), buckets, warmup=1, repeats=repeats, model=model)
