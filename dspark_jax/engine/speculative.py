@@ -297,3 +297,72 @@ def profile_verify(target_params, tcfg: ModelConfig, dcfg: DrafterConfig, *, row
                                                  num_new=counts).compile(), target_params, cache=cache,
                                         verify_tokens=verify, num_new=counts)
     return profile_sps(lambda n: programs[n](), buckets, warmup=1, repeats=repeats, model=model)
+
+
+def _set_row(batched: jax.Array, single: jax.Array, row, axis: int) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(batched, single.astype(batched.dtype), row, axis)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def admit(state: SpecState, new: SpecState, row) -> SpecState:
+    """Put a freshly prefilled one-request state into slot `row` of the running batch (continuous
+    batching): the other slots keep their caches and progress untouched."""
+    def cache_row(batched, single):  # KVCache, DrafterCache and Eagle3Cache share k, v, lengths
+        return dataclasses.replace(batched, k=_set_row(batched.k, single.k, row, 1),
+                                   v=_set_row(batched.v, single.v, row, 1),
+                                   lengths=_set_row(batched.lengths, single.lengths, row, 0))
+
+    draft = drafting.DraftState(cache_row(state.draft.cache, new.draft.cache),
+                                _set_row(state.draft.last_feature, new.draft.last_feature, row, 0))
+    per_row = {f: _set_row(getattr(state, f), getattr(new, f), row, 0)
+               for f in ("anchor", "output", "num_generated", "done", "max_new")}
+    return SpecState(cache_row(state.cache, new.cache), draft, key=state.key, sched=state.sched, **per_row)
+
+
+def speculative_serve(
+    target_params: dict, tcfg: ModelConfig, dparams: dict, dcfg: DrafterConfig, prompts: Sequence[Sequence[int]],
+    *, slots: int, max_new_tokens: int, cfg: SpecConfig, temperatures: Sequence[float] | None = None, seed: int = 0,
+) -> SpecResult:
+    """Continuous batching over `slots` request slots: when a request finishes, the next waiting
+    prompt is prefilled into its slot while the other slots keep decoding. Rounds record which
+    request each slot held ("request", -1 for an empty slot)."""
+    if dcfg.kind == "dspark" and cfg.gamma > dcfg.block_size:
+        from dspark_jax.errors import UserError
+
+        raise UserError(f"gamma={cfg.gamma} is larger than the drafter's block size {dcfg.block_size}")
+    _, _, max_len = pad_prompts(tcfg, prompts, max_new_tokens, slack=cfg.gamma + 1)
+    temps = None if temperatures is None else jnp.asarray(temperatures, jnp.float32)
+    statics = dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg)
+
+    def prefill(batch, budgets, key):
+        tokens, lengths, _ = pad_prompts(tcfg, batch, max_new_tokens)
+        return spec_prefill(target_params, dparams, jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32),
+                            jnp.asarray(budgets, jnp.int32), key, max_len=max_len, **statics)
+
+    first = list(prompts[:slots])
+    owner = list(range(len(first))) + [-1] * (slots - len(first))
+    # Empty slots hold a copy of the first prompt with a budget of 1 token: done at once, never decoded.
+    state = prefill(first + [prompts[0]] * (slots - len(first)),
+                    [max_new_tokens] * len(first) + [1] * (slots - len(first)), jax.random.key(seed))
+    results: list[list[int] | None] = [None] * len(prompts)
+    waiting = len(first)
+    rounds = []
+    t0 = time.perf_counter()
+    while True:
+        done, counts = np.asarray(state.done), np.asarray(state.num_generated)
+        output = None
+        for r in range(slots):
+            if owner[r] >= 0 and done[r]:
+                output = np.asarray(state.output) if output is None else output
+                results[owner[r]] = output[r, : counts[r]].tolist()
+                owner[r] = -1
+                if waiting < len(prompts):
+                    new = prefill([prompts[waiting]], [max_new_tokens], jax.random.key(seed + 1 + waiting))
+                    state = admit(state, new, r)
+                    owner[r] = waiting
+                    waiting += 1
+        if all(o < 0 for o in owner):
+            break
+        state, stats = spec_round(target_params, dparams, state, temps, **statics)
+        rounds.append({"request": np.asarray(owner), **{k: np.asarray(v) for k, v in dataclasses.asdict(stats).items()}})
+    return SpecResult(results, 0.0, time.perf_counter() - t0, 0.0, rounds)
