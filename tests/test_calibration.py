@@ -23,6 +23,7 @@ from dspark_jax.evaluation import (
     to_jsonable,
 )
 from dspark_jax.evaluation import plots
+from cli_helpers import assert_one_line_error, run_main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -314,17 +315,11 @@ def test_training_curves(tmp_path):
 
 
 def run_cli(capsys, *argv):
-    code = plot_metrics.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_main(plot_metrics.main, capsys, *argv)
 
 
 def assert_fails(capsys, message, *argv):
-    code, out, err = run_cli(capsys, *argv)
-    assert code == 2, (out, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
-    assert "Traceback" not in err
+    assert_one_line_error(plot_metrics.main, capsys, message, *argv)
 
 
 def test_cli_writes_plots(capsys, tmp_path):

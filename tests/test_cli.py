@@ -9,20 +9,15 @@ import sys
 import pytest
 
 from dspark_jax import decode
+from cli_helpers import assert_one_line_error, run_main
 
 
 def run(capsys, *argv):
-    code = decode.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_main(decode.main, capsys, *argv)
 
 
 def assert_fails(capsys, message, *argv):
-    code, out, err = run(capsys, *argv)
-    assert code == 2, (out, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
-    assert "Traceback" not in err
+    assert_one_line_error(decode.main, capsys, message, *argv)
 
 
 def test_json_output_on_tiny_target(capsys, tiny_target_folder):

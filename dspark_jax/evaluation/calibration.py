@@ -237,6 +237,15 @@ def _best_temperature(log_prefix: np.ndarray, z_k: np.ndarray, events_k: np.ndar
     return float(candidates[pick]), float(eces[pick])
 
 
+def _check_rounds(confidence_logits, accepted, bins, what: str):
+    """Validated (logits [N, gamma], accepted [N], bins) of at least one round."""
+    z = _check_logits(confidence_logits)
+    acc = _check_accepted(accepted, z.shape[1], z.shape[0])
+    if z.shape[0] == 0:
+        raise ValueError(f"{what} needs at least one round")
+    return z, acc, _check_bins(bins)
+
+
 def fit_sts(confidence_logits, accepted, grid=None, bins: int = DEFAULT_BINS, refine: bool = True) -> np.ndarray:
     """Sequential Temperature Scaling (DESIGN.md 2.6): temperatures T [gamma], one per position.
 
@@ -246,12 +255,8 @@ def fit_sts(confidence_logits, accepted, grid=None, bins: int = DEFAULT_BINS, re
     `refine`, 41 more log-spaced values between the best grid point's neighbours are tried too.
     Fit on held-out rounds and store the result with the drafter checkpoint.
     """
-    z = _check_logits(confidence_logits)
+    z, acc, bins = _check_rounds(confidence_logits, accepted, bins, "fit_sts")
     n, gamma = z.shape
-    acc = _check_accepted(accepted, gamma, n)
-    bins = _check_bins(bins)
-    if n == 0:
-        raise ValueError("fit_sts needs at least one round")
     grid = DEFAULT_GRID if grid is None else np.asarray(grid, dtype=np.float64).reshape(-1)
     if grid.size == 0 or not np.all(np.isfinite(grid)) or np.any(grid <= 0):
         raise ValueError("grid must be a non-empty set of finite temperatures > 0")
@@ -308,12 +313,8 @@ def calibration_report(confidence_logits, accepted, temperatures=None, bins: int
       mean_accepted, tau_full       mean accepted draft tokens, and that + 1 (bonus)
       reliability_raw / _sts        per position {"mean_predicted", "observed", "counts"} per bin
     """
-    z = _check_logits(confidence_logits)
+    z, acc, bins = _check_rounds(confidence_logits, accepted, bins, "calibration_report")
     n, gamma = z.shape
-    acc = _check_accepted(accepted, gamma, n)
-    bins = _check_bins(bins)
-    if n == 0:
-        raise ValueError("calibration_report needs at least one round")
     source = "given"
     if temperatures is None:
         temperatures, source = fit_sts(z, acc, bins=bins), "fitted_in_sample"
