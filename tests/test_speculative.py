@@ -141,10 +141,16 @@ def test_flattened_verify_sampling_is_lossless():
         assert tv < 0.06, (position, tv)
 
 
-def test_continuous_batching_refills_slots_and_stays_lossless():
+@pytest.mark.parametrize("policy", ["fixed", "dspark"])
+def test_continuous_batching_refills_slots_and_stays_lossless(policy):
     """7 requests through 3 slots: each finished request's slot is refilled by the next prompt, and
-    every request's output is exactly its plain greedy output."""
+    every request's output is exactly its plain greedy output (padded verify for "fixed", flattened
+    verify in token buckets for "dspark")."""
     from dspark_jax.engine.speculative import speculative_serve
+    from dspark_jax.engine.sps import token_buckets
+
+    buckets = None if policy == "fixed" else token_buckets(3 * 5)
+    spec = dict(policy=policy, sps=SPS if policy == "dspark" else None, verify_buckets=buckets)
 
     dcfg, dparams = drafter()
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11], [12, 13], [14, 15, 16], [17, 18, 19, 20]]
@@ -152,10 +158,10 @@ def test_continuous_batching_refills_slots_and_stays_lossless():
     want = [generate(TARGET, TCFG, [p], **budgets).token_ids[0] for p in prompts]
     stop = want[0][4]
     want_stop = [generate(TARGET, TCFG, [p], stop_ids=[stop], **budgets).token_ids[0] for p in prompts]
-    got = speculative_serve(TARGET, TCFG, dparams, dcfg, prompts, slots=3, cfg=SpecConfig(gamma=4), **budgets)
+    got = speculative_serve(TARGET, TCFG, dparams, dcfg, prompts, slots=3, cfg=SpecConfig(gamma=4, **spec), **budgets)
     assert got.token_ids == want
     served = {int(r) for rnd in got.rounds for r in rnd["request"] if r >= 0}
     assert served == set(range(7)) and max(len(rnd["request"]) for rnd in got.rounds) == 3
     got_stop = speculative_serve(TARGET, TCFG, dparams, dcfg, prompts, slots=3,
-                                 cfg=SpecConfig(gamma=4, stop_ids=(stop,)), **budgets)
+                                 cfg=SpecConfig(gamma=4, stop_ids=(stop,), **spec), **budgets)
     assert got_stop.token_ids == want_stop

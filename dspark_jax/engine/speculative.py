@@ -226,37 +226,50 @@ class SpecResult(GenerationResult):
         return np.concatenate([r["accepted"][r["active"]] + 1 for r in self.rounds]) if self.rounds else np.zeros(0)
 
 
+def round_program(target_params, dparams, state_shape, temps, *, tcfg: ModelConfig, dcfg: DrafterConfig,
+                  cfg: SpecConfig):
+    """Compile one decoding round for states shaped like `state_shape`: the padded [B, g+1] verify,
+    or, with cfg.verify_buckets, draft + a flattened verify padded to the smallest bucket that holds
+    this round's scheduled tokens (the host reads the count and picks the program)."""
+    statics = dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg)
+    if cfg.verify_buckets is None:
+        return compiled(spec_round, (target_params, dparams, state_shape, temps), statics)
+    rows = state_shape.anchor.shape[0]
+    if cfg.verify_buckets[-1] < rows * (cfg.gamma + 1):
+        raise ValueError(f"verify buckets {cfg.verify_buckets} do not cover {rows} x (gamma + 1) tokens")
+    run_draft = compiled(spec_draft, (target_params, dparams, state_shape, temps), statics)
+    run_verify = {n: compiled(spec_verify, (target_params, dparams, state_shape, run_draft.out_info),
+                              dict(statics, bucket=n)) for n in cfg.verify_buckets}
+
+    def run_round(target_params, dparams, state, temps):
+        drafted = run_draft(target_params, dparams, state, temps)
+        scheduled = int(jnp.sum(jnp.where(state.done, 0, drafted.num_draft + 1)))
+        return run_verify[int(pad_to_bucket(cfg.verify_buckets, scheduled))](target_params, dparams, state, drafted)
+
+    return run_round
+
+
+def _check_gamma(cfg: SpecConfig, dcfg: DrafterConfig) -> None:
+    if dcfg.kind == "dspark" and cfg.gamma > dcfg.block_size:
+        from dspark_jax.errors import UserError
+
+        raise UserError(f"gamma={cfg.gamma} is larger than the drafter's block size {dcfg.block_size}")
+
+
 def speculative_generate(
     target_params: dict, tcfg: ModelConfig, dparams: dict, dcfg: DrafterConfig, prompts: Sequence[Sequence[int]],
     *, max_new_tokens: int, cfg: SpecConfig, temperatures: Sequence[float] | None = None, seed: int = 0,
     progress: bool = False,
 ) -> SpecResult:
     """Speculative decoding of a static batch of prompts (token ids)."""
-    if dcfg.kind == "dspark" and cfg.gamma > dcfg.block_size:
-        from dspark_jax.errors import UserError
-
-        raise UserError(f"gamma={cfg.gamma} is larger than the drafter's block size {dcfg.block_size}")
+    _check_gamma(cfg, dcfg)
     tokens, lengths, max_len = pad_prompts(tcfg, prompts, max_new_tokens, slack=cfg.gamma + 1)
     temps = None if temperatures is None else jnp.asarray(temperatures, jnp.float32)
     args = (target_params, dparams, jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32),
             jnp.full((len(prompts),), max_new_tokens, jnp.int32), jax.random.key(seed))
     t0 = time.perf_counter()
     run_prefill = compiled(spec_prefill, args, dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg, max_len=max_len))
-    statics = dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg)
-    state_shape = run_prefill.out_info
-    if cfg.verify_buckets is None:
-        run_round = compiled(spec_round, (target_params, dparams, state_shape, temps), statics)
-    else:
-        if cfg.verify_buckets[-1] < len(prompts) * (cfg.gamma + 1):
-            raise ValueError(f"verify buckets {cfg.verify_buckets} do not cover {len(prompts)} x (gamma + 1) tokens")
-        run_draft = compiled(spec_draft, (target_params, dparams, state_shape, temps), statics)
-        run_verify = {n: compiled(spec_verify, (target_params, dparams, state_shape, run_draft.out_info),
-                                  dict(statics, bucket=n)) for n in cfg.verify_buckets}
-
-        def run_round(target_params, dparams, state, temps):
-            drafted = run_draft(target_params, dparams, state, temps)
-            scheduled = int(jnp.sum(jnp.where(state.done, 0, drafted.num_draft + 1)))  # the host picks the bucket
-            return run_verify[int(pad_to_bucket(cfg.verify_buckets, scheduled))](target_params, dparams, state, drafted)
+    run_round = round_program(target_params, dparams, run_prefill.out_info, temps, tcfg=tcfg, dcfg=dcfg, cfg=cfg)
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     state = run_prefill(*args)
@@ -326,10 +339,7 @@ def speculative_serve(
     """Continuous batching over `slots` request slots: when a request finishes, the next waiting
     prompt is prefilled into its slot while the other slots keep decoding. Rounds record which
     request each slot held ("request", -1 for an empty slot)."""
-    if dcfg.kind == "dspark" and cfg.gamma > dcfg.block_size:
-        from dspark_jax.errors import UserError
-
-        raise UserError(f"gamma={cfg.gamma} is larger than the drafter's block size {dcfg.block_size}")
+    _check_gamma(cfg, dcfg)
     _, _, max_len = pad_prompts(tcfg, prompts, max_new_tokens, slack=cfg.gamma + 1)
     temps = None if temperatures is None else jnp.asarray(temperatures, jnp.float32)
     statics = dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg)
@@ -344,6 +354,9 @@ def speculative_serve(
     # Empty slots hold a copy of the first prompt with a budget of 1 token: done at once, never decoded.
     state = prefill(first + [prompts[0]] * (slots - len(first)),
                     [max_new_tokens] * len(first) + [1] * (slots - len(first)), jax.random.key(seed))
+    t0 = time.perf_counter()
+    run_round = round_program(target_params, dparams, state, temps, **statics)
+    compile_s = time.perf_counter() - t0
     results: list[list[int] | None] = [None] * len(prompts)
     waiting = len(first)
     rounds = []
@@ -363,6 +376,7 @@ def speculative_serve(
                     waiting += 1
         if all(o < 0 for o in owner):
             break
-        state, stats = spec_round(target_params, dparams, state, temps, **statics)
-        rounds.append({"request": np.asarray(owner), **{k: np.asarray(v) for k, v in dataclasses.asdict(stats).items()}})
-    return SpecResult(results, 0.0, time.perf_counter() - t0, 0.0, rounds)
+        state, stats = run_round(target_params, dparams, state, temps)
+        stats = {k: np.asarray(v) for k, v in dataclasses.asdict(stats).items()}
+        rounds.append({"request": np.asarray(owner), **stats})
+    return SpecResult(results, 0.0, time.perf_counter() - t0, compile_s, rounds)
