@@ -5,6 +5,11 @@ writes loss.png, expected_tau.png, grad_norm.png, blocks_per_s.png and per_posit
 whose metrics were logged) to DIR (default RUN_DIR/plots), printing one path per line. A missing,
 empty or corrupt log is one `error: ...` line and exit status 2. Works on a run that is still
 training (a half-written last line is skipped).
+
+With several RUN_DIRs (e.g. DSpark and DFlash trained on the same data and budget) it also writes
+DIR/teacher_forced_acceptance.png: the last held-out (eval_) per-position acceptance
+sum_v min(q, p) of each run, one line per run, and prints it as a Markdown table. DIR is then
+required, and each run's own curves go to DIR/<run name>/.
 """
 
 from __future__ import annotations
@@ -22,36 +27,67 @@ METRICS_FILE = "metrics.jsonl"
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dspark_jax.plot_metrics",
                                 description="Plot the training curves of a run's metrics.jsonl as PNG files.")
-    p.add_argument("run_dir", metavar="RUN_DIR", help=f"training run folder holding {METRICS_FILE} (or the file)")
-    p.add_argument("--out", metavar="DIR", default=None, help="output folder (default: RUN_DIR/plots)")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                   help=f"training run folder holding {METRICS_FILE} (or the file)")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="output folder (default: RUN_DIR/plots; required with several runs)")
     return p.parse_args(argv)
+
+
+def metrics_path(run: str) -> tuple[str, str]:
+    """(metrics.jsonl path, run folder) of a RUN_DIR argument."""
+    if os.path.isfile(run):
+        return run, os.path.dirname(os.path.abspath(run))
+    if os.path.isdir(run):
+        path = os.path.join(run, METRICS_FILE)
+        if not os.path.exists(path):
+            raise UserError(f"no {METRICS_FILE} in {run} (not a training run folder, or nothing logged yet)")
+        return path, run
+    raise UserError(f"no such run folder: {run}")
 
 
 @run_cli
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if os.path.isfile(args.run_dir):
-        log_path, run_dir = args.run_dir, os.path.dirname(os.path.abspath(args.run_dir))
-    elif os.path.isdir(args.run_dir):
-        log_path, run_dir = os.path.join(args.run_dir, METRICS_FILE), args.run_dir
-        if not os.path.exists(log_path):
-            raise UserError(f"no {METRICS_FILE} in {args.run_dir} (not a training run folder, or nothing logged yet)")
-    else:
-        raise UserError(f"no such run folder: {args.run_dir}")
-    out_dir = args.out if args.out is not None else os.path.join(run_dir, "plots")
+    runs = [metrics_path(r) for r in args.run_dirs]
+    if len(runs) > 1 and args.out is None:
+        raise UserError("--out is required when comparing several runs")
+    out_dir = args.out if args.out is not None else os.path.join(runs[0][1], "plots")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"--out {out_dir} exists and is not a folder")
+    names = [os.path.basename(os.path.normpath(run_dir)) for _, run_dir in runs]
+    if len(set(names)) != len(names):
+        raise UserError(f"run folder names must differ to label them: {', '.join(names)}")
 
-    from dspark_jax.evaluation.plots import training_curves  # matplotlib only once the inputs are known good
+    from dspark_jax.evaluation.plots import (  # matplotlib only once the inputs are known good
+        acceptance_curves, final_per_position, read_metrics, training_curves)
 
+    curves = {}
     try:
-        paths = training_curves(log_path, out_dir)
+        for (log_path, _), name in zip(runs, names):
+            paths = training_curves(log_path, out_dir if len(runs) == 1 else os.path.join(out_dir, name))
+            if not paths:
+                raise UserError(f"{log_path} holds no plottable metrics (loss, expected_tau, grad_norm, ...)")
+            print("\n".join(paths))
+            found = final_per_position(read_metrics(log_path), "acceptance_per_position")
+            if found is not None:
+                curves[name] = found
+        if len(runs) > 1:
+            if len(curves) < len(runs):
+                missing = sorted(set(names) - set(curves))
+                raise UserError(f"no per-position acceptance logged in: {', '.join(missing)}")
+            print(acceptance_curves({f"{n} ({key}, step {step})": v for n, (v, key, step) in curves.items()},
+                                    os.path.join(out_dir, "teacher_forced_acceptance.png"),
+                                    title="Teacher-forced acceptance per draft position",
+                                    ylabel="sum_v min(q, p) at position k"))
     except OSError as e:
         raise UserError(f"cannot write plots to {out_dir}: {e.strerror or e}") from None
-    if not paths:
-        raise UserError(f"{log_path} holds no plottable metrics (loss, expected_tau, grad_norm, ...)")
-    for path in paths:
-        print(path)
+    if len(runs) > 1:
+        gamma = max(len(v) for v, _, _ in curves.values())
+        print("\n| run | " + " | ".join(f"k={k}" for k in range(1, gamma + 1)) + " |")
+        print("|---|" + "---|" * gamma)
+        for name, (v, key, step) in curves.items():
+            print(f"| {name} ({key}, step {step}) | " + " | ".join(f"{x:.3f}" for x in v) + " |")
     return 0
 
 

@@ -336,6 +336,26 @@ def test_cli_writes_plots(capsys, tmp_path):
     assert code == 0 and all(p.startswith(str(tmp_path / "elsewhere")) for p in out.split())
 
 
+def test_cli_compares_runs(capsys, tmp_path):
+    """Several runs: per-run curves in DIR/<name>/, the last held-out per-position acceptance of
+    each as one PNG and a Markdown table (eval_ preferred over the training value)."""
+    a, b = tmp_path / "dspark", tmp_path / "dflash"
+    a.mkdir()
+    b.mkdir()
+    write_metrics(a / "metrics.jsonl", steps=3, extra=json.dumps(
+        {"step": 40, "eval_acceptance_per_position": [0.9, 0.8, 0.7, 0.6]}) + "\n")
+    write_metrics(b / "metrics.jsonl", steps=3)
+    code, out, err = run_cli(capsys, str(a), str(b), "--out", str(tmp_path / "cmp"))
+    assert code == 0, err
+    assert_png(str(tmp_path / "cmp" / "teacher_forced_acceptance.png"))
+    assert (tmp_path / "cmp" / "dspark" / "loss.png").exists() and (tmp_path / "cmp" / "dflash" / "loss.png").exists()
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert rows[0] == "| run | k=1 | k=2 | k=3 | k=4 |"
+    assert rows[1] == "| dspark (eval_acceptance_per_position, step 40) | 0.900 | 0.800 | 0.700 | 0.600 |"
+    assert rows[2] == "| dflash (acceptance_per_position, step 30) | 0.800 | 0.667 | 0.533 | 0.400 |"
+    assert_fails(capsys, "--out is required when comparing several runs", str(a), str(b))
+
+
 def test_cli_skips_half_written_last_line(capsys, tmp_path):
     write_metrics(tmp_path / "metrics.jsonl", steps=3, extra='{"step": 40, "loss": 1.')
     code, out, err = run_cli(capsys, str(tmp_path))

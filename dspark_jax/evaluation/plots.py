@@ -265,6 +265,17 @@ def _per_position_values(record: dict, key: str):
     return None
 
 
+def final_per_position(records: Sequence[dict], key: str):
+    """(values, logged key, step) of the last record holding the held-out eval_<key>, else the
+    training <key>; None if neither was logged."""
+    for k in ("eval_" + key, key):
+        for r in reversed(records):
+            v = _per_position_values(r, k)
+            if v is not None:
+                return v, k, int(r["step"])
+    return None
+
+
 def training_curves(metrics_jsonl_path: str, out_dir: str) -> list[str]:
     """PNG curves of a training run's metrics.jsonl in out_dir; returns the paths written.
 
