@@ -20,15 +20,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dspark_jax.decode", description=__doc__.split("\n")[0])
     p.add_argument("--target", default=DEFAULT_TARGET,
                    help=f"known name ({', '.join(KNOWN_TARGETS)}), Hugging Face folder or .gguf file")
-    p.add_argument("--drafter", default="none", help="drafter checkpoint folder, or 'none' for plain target decoding")
-    p.add_argument("--scheduler", default="fixed", choices=["fixed", "mtp1", "threshold", "dspark", "dspark-async"],
-                   help="draft tokens verified per request and round (docs/decoding.md)")
+    p.add_argument("--drafter", default="default",
+                   help="drafter checkpoint folder; 'default' = the drafter shipped for the target (plain decoding "
+                        "if there is none); 'none' = plain target decoding")
+    p.add_argument("--scheduler", default="auto",
+                   choices=["auto", "fixed", "mtp1", "threshold", "dspark", "dspark-async"],
+                   help="draft tokens verified per request and round (docs/decoding.md); "
+                        "auto = dspark with a confidence head, else fixed")
     p.add_argument("--sps-table", default=None,
                    help="SPS table JSON for the dspark schedulers (default: .dspark_cache/, profiled when missing)")
     p.add_argument("--profile-sps", action="store_true", help="re-profile the SPS table even if one exists")
     p.add_argument("--gamma", type=int, default=None, help="draft tokens per round (default: the drafter's block)")
     p.add_argument("--threshold", type=float, default=0.5, help="prefix-survival threshold for --scheduler threshold")
-    p.add_argument("--compare-ar", action="store_true", help="also run plain target decoding and report the speedup")
+    p.add_argument("--compare-ar", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run plain target decoding and report the speedup "
+                        "(default: on for readable output with a drafter, off with --json)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help='JSONL of {"turns": [...]} (the first turn is used)')
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -60,6 +66,8 @@ def load_speculative(args, target):
 
     loaded = load_drafter(args.drafter, target.config, target.name)
     dcfg = loaded.config
+    if args.scheduler == "auto":
+        args.scheduler = "dspark" if dcfg.confidence else "fixed"
     gamma = args.gamma or dcfg.block_size
     if gamma < 1 or (dcfg.kind == "dspark" and gamma > dcfg.block_size):
         raise UserError(f"--gamma {gamma} must be between 1 and the drafter's block size {dcfg.block_size}")
@@ -149,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
 
     target = load_target(args.target, dtype=args.dtype)
     tok = target.tokenizer
+    if args.drafter == "default":
+        from dspark_jax.checkpoints.registry import default_drafter_path
+
+        args.drafter = default_drafter_path(target.name) or "none"
+    if args.compare_ar is None:
+        args.compare_ar = args.drafter != "none" and not args.json
+    args.batch_size = min(args.batch_size, len(prompts))  # no padding rows, and SPS profiled for real rows
     speculative = None if args.drafter == "none" else load_speculative(args, target)
     encoded = [tok.encode(t) if args.raw else tok.chat_prompt_ids(t) for t in prompts]
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)

