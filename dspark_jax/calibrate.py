@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+from typing import NamedTuple
 
 import numpy as np
 
@@ -23,9 +24,19 @@ from dspark_jax.cli import run_cli
 from dspark_jax.errors import UserError
 
 
+class Rounds(NamedTuple):
+    """Every full-length round (active rows only, in prompt-batch order) of a set of prompts."""
+
+    confidence_logits: np.ndarray  # float [N, gamma] raw confidence logits (zeros without a head)
+    accepted: np.ndarray  # int [N] draft tokens accepted (tau = accepted + 1)
+    num_draft: np.ndarray  # int [N] draft tokens verified (gamma: verification is full length)
+    generated_tokens: int  # tokens emitted over all prompts
+
+
 def collect_rounds(target, loaded, prompts: list[str], *, max_new_tokens: int, temperature: float,
-                   batch_size: int, seed: int, progress: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(confidence logits [N, gamma], accepted [N]) over all full-length rounds of all prompts."""
+                   batch_size: int, seed: int, progress: bool, gamma: int | None = None) -> Rounds:
+    """Speculative decoding of chat-templated `prompts` in batches (seed + first prompt index per
+    batch) with the "fixed" policy: every round verifies all gamma (default: block size) drafts."""
     import jax
     import jax.numpy as jnp
 
@@ -33,19 +44,24 @@ def collect_rounds(target, loaded, prompts: list[str], *, max_new_tokens: int, t
     from dspark_jax.sampling import SamplingConfig
 
     tok = target.tokenizer
-    dparams = jax.tree.map(jnp.asarray, loaded.params)
-    cfg = SpecConfig(gamma=loaded.config.block_size, sampling=SamplingConfig(temperature), policy="fixed",
+    gamma = gamma or loaded.config.block_size
+    dparams = jax.tree.map(lambda a: jnp.asarray(a, target.config.dtype), loaded.params)
+    cfg = SpecConfig(gamma=gamma, sampling=SamplingConfig(temperature), policy="fixed",
                      stop_ids=tuple(tok.eos_token_ids))
-    logits, accepted = [], []
+    logits, accepted, drafted = [np.zeros((0, gamma), np.float32)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+    generated = 0
     encoded = [tok.chat_prompt_ids(p) for p in prompts]
     for start in range(0, len(encoded), batch_size):
         result = speculative_generate(target.params, target.config, dparams, loaded.config,
                                       encoded[start: start + batch_size], max_new_tokens=max_new_tokens,
                                       cfg=cfg, seed=seed + start, progress=progress)
+        generated += sum(len(ids) for ids in result.token_ids)
         for r in result.rounds:
-            logits.append(r["confidence_logits"][r["active"]])
+            logits.append(r["confidence_logits"][r["active"], :gamma])
             accepted.append(r["accepted"][r["active"]])
-    return np.concatenate(logits), np.concatenate(accepted)
+            drafted.append(r["num_draft"][r["active"]])
+    return Rounds(np.concatenate(logits), np.concatenate(accepted), np.concatenate(drafted), generated)
+
 
 
 @run_cli
@@ -69,7 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_jax.checkpoints.registry import load_target
     from dspark_jax.data.splits import get_split, parse_sets
     from dspark_jax.drafters.checkpoint import load_drafter, save_drafter
-    from dspark_jax.evaluation.calibration import calibration_report, fit_sts, to_jsonable
+    from dspark_jax.evaluation.calibration import (
+        calibration_report,
+        fit_sts,
+        to_jsonable,
+    )
     from dspark_jax.evaluation.plots import reliability_diagram
 
     loaded = load_drafter(args.drafter)
@@ -78,9 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target(args.target or loaded.config.target_name)
     loaded.config.check_target(target.config, target.name)
     prompts = [q for name in parse_sets(args.sets) for q in get_split(name, "eval")[: args.limit]]
-    logits, accepted = collect_rounds(target, loaded, prompts, max_new_tokens=args.max_new_tokens,
-                                      temperature=args.temperature, batch_size=args.batch_size, seed=args.seed,
-                                      progress=not args.no_progress)
+    logits, accepted, _, _ = collect_rounds(target, loaded, prompts, max_new_tokens=args.max_new_tokens,
+                                            temperature=args.temperature, batch_size=args.batch_size,
+                                            seed=args.seed, progress=not args.no_progress)
     if len(accepted) < 20:
         raise UserError(f"only {len(accepted)} decoding rounds were recorded: use more prompts or tokens")
     order = np.random.default_rng(args.seed).permutation(len(accepted))
@@ -90,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     temperatures = fit_sts(logits, accepted)  # the stored temperatures use every round
     out = args.out or os.path.join(args.drafter, "calibration")
     os.makedirs(out, exist_ok=True)
-    summary = {"drafter": args.drafter, "target": target.name, "rounds": int(len(accepted)),
+    summary = {"drafter": args.drafter, "target": target.name, "rounds": len(accepted),
                "prompts": len(prompts), "sets": args.sets, "temperature": args.temperature,
                "max_new_tokens": args.max_new_tokens, "temperatures": temperatures, "held_out_report": report}
     with open(os.path.join(out, "report.json.tmp"), "w") as f:
