@@ -71,7 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", default=None, help="target (default: the one recorded in the drafter)")
     p.add_argument("--sets", default="gsm8k,math500,humaneval,mbpp,arena-hard-v2",
                    help="prompt sets; their EVAL split is used")
-    p.add_argument("--limit", type=int, default=16, help="prompts per set")
+    p.add_argument("--limit", type=int, default=16,
+                   help="prompts per set: the LAST N of its eval split (`eval` takes the first N, so "
+                        "calibration and evaluation prompts stay disjoint while 2N <= the split size)")
+    p.add_argument("--save-to", default=None,
+                   help="write the calibrated drafter to this folder instead of updating --drafter in place")
+    p.add_argument("--storage-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="weight storage of the written drafter (default: as loaded; bfloat16 halves the size)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--batch-size", type=int, default=8)
@@ -97,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError("this drafter has no confidence head: nothing to calibrate")
     target = load_target(args.target or loaded.config.target_name)
     loaded.config.check_target(target.config, target.name)
-    prompts = [q for name in parse_sets(args.sets) for q in get_split(name, "eval")[: args.limit]]
+    prompts = [q for name in parse_sets(args.sets) for q in get_split(name, "eval")[-args.limit:]]
     logits, accepted, _, _ = collect_rounds(target, loaded, prompts, max_new_tokens=args.max_new_tokens,
                                             temperature=args.temperature, batch_size=args.batch_size,
                                             seed=args.seed, progress=not args.no_progress)
@@ -120,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                               title=f"STS calibration ({len(test_idx)} held-out rounds)")
     metadata = dict(loaded.metadata, calibration=to_jsonable({k: summary[k] for k in (
         "rounds", "prompts", "sets", "temperature", "max_new_tokens")}))
-    save_drafter(args.drafter, loaded.config, loaded.params, sts_temperatures=temperatures, metadata=metadata,
-                 dtype=loaded.storage_dtype)
+    save_drafter(args.save_to or args.drafter, loaded.config, loaded.params, sts_temperatures=temperatures,
+                 metadata=metadata, dtype=args.storage_dtype or loaded.storage_dtype)
     print(json.dumps(to_jsonable({"rounds": len(accepted), "temperatures": temperatures,
                                   "ece_raw": report["ece_raw"], "ece_sts": report["ece_sts"],
                                   "auc_sts": report["auc_sts"], "report": os.path.join(out, "report.json"),

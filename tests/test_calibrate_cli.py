@@ -35,6 +35,18 @@ def test_calibrate_stores_temperatures_and_writes_report(tiny_target_folder, tmp
     assert len(report["held_out_report"]["ece_raw"]) == 4
     assert open(os.path.join(path, "calibration", "reliability.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
+    # --save-to writes a bf16 calibrated copy (how the shipped drafter is made) and leaves the source alone.
+    shipped = str(tmp_path / "shipped")
+    code = calibrate.main(["--drafter", path, "--target", tiny_target_folder, "--sets", "gsm8k", "--limit", "6",
+                           "--max-new-tokens", "24", "--no-progress", "--save-to", shipped,
+                           "--storage-dtype", "bfloat16", "--out", str(tmp_path / "report")])
+    assert code == 0, capsys.readouterr().err
+    copy = load_drafter(shipped)
+    assert copy.storage_dtype == "bfloat16" and load_drafter(path).storage_dtype == "float32"
+    assert copy.sts_temperatures == loaded.sts_temperatures  # same prompts and seed -> same rounds, same fit
+    assert os.path.getsize(os.path.join(shipped, "drafter.safetensors")) < 0.6 * os.path.getsize(
+        os.path.join(path, "drafter.safetensors"))
+
 
 def test_calibrate_rejects_a_drafter_without_confidence(tiny_target_folder, tmp_path, capsys):
     tcfg, _ = load_hf_model(tiny_target_folder)
