@@ -1,7 +1,8 @@
-"""Shared by the benchmark scripts: machine description and results files."""
+"""Shared by the benchmark scripts: machine description, results files, eval prompts, the speculative run."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -29,14 +30,14 @@ def machine() -> dict:
             "jax_backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()]}
 
 
-def write_results(name: str, results: dict, markdown: str) -> tuple[str, str]:
-    """Write results/<name>.json and results/<name>.md with the command, machine and date."""
-    os.makedirs(RESULTS_DIR, exist_ok=True)
+def write_results(name: str, results: dict, markdown: str, directory: str = RESULTS_DIR) -> tuple[str, str]:
+    """Write <directory>/<name>.json and <directory>/<name>.md with the command, machine and date."""
+    os.makedirs(directory, exist_ok=True)
     meta = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "machine": machine()}
-    json_path = os.path.join(RESULTS_DIR, f"{name}.json")
-    md_path = os.path.join(RESULTS_DIR, f"{name}.md")
+    json_path = os.path.join(directory, f"{name}.json")
+    md_path = os.path.join(directory, f"{name}.md")
     with open(json_path + ".tmp", "w") as f:
         json.dump({**meta, **results}, f, indent=1)
     os.replace(json_path + ".tmp", json_path)
@@ -47,3 +48,117 @@ def write_results(name: str, results: dict, markdown: str) -> tuple[str, str]:
         f.write(header + markdown)
     os.replace(md_path + ".tmp", md_path)
     return json_path, md_path
+
+
+def add_speculative_args(parser: argparse.ArgumentParser, out: str) -> None:
+    """The options the speculative-decoding benchmarks share (models, engine, output)."""
+    parser.add_argument("--drafter", required=True, help="drafter checkpoint folder (trained for --target)")
+    parser.add_argument("--target", default="smollm2-135m",
+                        help="known target name, Hugging Face folder or .gguf file")
+    parser.add_argument("--gamma", type=int, default=None, help="draft tokens per round (default: the drafter's block)")
+    parser.add_argument("--threshold", type=float, default=0.5,
+                        help="prefix-survival threshold of the threshold scheduler")
+    parser.add_argument("--profile-sps", action="store_true",
+                        help="re-profile the SPS tables of the dspark schedulers even if cached in .dspark_cache/")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=out, help="results .md (the .json and .png files go next to it)")
+
+
+def load_benchmark_target(args):
+    """The --target, with compiled programs shared across configurations (see share_compiled_programs)."""
+    from dspark_jax.checkpoints.registry import load_target
+
+    share_compiled_programs()
+    return load_target(args.target)
+
+
+def output_paths(out: str, *plots: str) -> tuple[str, str, list[str]]:
+    """--out path/name.md -> (directory, name, [path/name<suffix>.png for each plot suffix])."""
+    directory, base = os.path.split(os.path.abspath(out))
+    name = os.path.splitext(base)[0]
+    return directory, name, [os.path.join(directory, f"{name}{suffix}.png") for suffix in plots]
+
+
+def write_benchmark(args, settings: tuple[str, ...], rows: list[dict], markdown: str, **extra) -> None:
+    """Write --out (.md + .json with the command, machine, date, the chosen settings and the rows)."""
+    directory, name, _ = output_paths(args.out)
+    chosen = {k: getattr(args, k) for k in settings} | extra
+    paths = write_results(name, {"settings": chosen, "rows": rows}, markdown, directory)
+    print("wrote", *paths)
+
+
+def int_list(text: str) -> list[int]:
+    """'1,8' -> [1, 8] (for argparse `type=`)."""
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def float_list(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def choose(text: str, known, what: str) -> list[str]:
+    """'a,b' -> ['a', 'b'], each one of `known` (else a one-line UserError)."""
+    from dspark_jax.errors import UserError
+
+    chosen = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = sorted(set(chosen) - set(known))
+    if unknown or not chosen:
+        raise UserError(f"unknown {what}(s) {', '.join(unknown) or '(none)'} (known: {', '.join(known)})")
+    return chosen
+
+
+SCHEDULERS = ("fixed", "mtp1", "threshold", "dspark", "dspark-async")  # `decode --scheduler` choices
+
+# The evaluation domains of the speed benchmarks, each a mix of prompt sets (eval split only).
+DOMAINS = {"math": ("gsm8k", "math500"), "code": ("humaneval", "mbpp"), "chat": ("arena-hard-v2",)}
+
+
+def eval_prompts(tokenizer, sets, limit: int, max_prompt_tokens: int) -> list[list[int]]:
+    """Chat-templated token ids of up to `limit` prompts from the EVAL split of `sets` (never trained
+    on; dspark_jax/data/splits.py), taken round robin over the sets in file order, skipping prompts
+    longer than `max_prompt_tokens`."""
+    from dspark_jax.data.splits import get_split, parse_sets
+
+    pools = [iter(get_split(s, "eval")) for s in parse_sets(",".join(sets))]
+    out: list[list[int]] = []
+    while pools and len(out) < limit:
+        for pool in list(pools):
+            text = next(pool, None)
+            if text is None:
+                pools.remove(pool)
+                continue
+            ids = tokenizer.chat_prompt_ids(text)
+            if len(ids) <= max_prompt_tokens and len(out) < limit:
+                out.append(ids)
+    return out
+
+
+def speculative_runner(args, target, *, scheduler: str, batch_size: int, profile_sps: bool = False):
+    """The run of `python -m dspark_jax.decode --drafter ...` (dspark_jax.decode.load_speculative):
+    a function (prompt batch, SamplingConfig, seed) -> SpecResult. `args` supplies drafter, gamma,
+    threshold and max_new_tokens; the dspark schedulers' SPS table is the one `decode` keeps for
+    this batch size under .dspark_cache/ (profiled when missing or when `profile_sps`)."""
+    from dspark_jax.decode import load_speculative
+
+    os.makedirs(".dspark_cache", exist_ok=True)  # sps_table saves there without creating it
+    return load_speculative(argparse.Namespace(
+        drafter=args.drafter, scheduler=scheduler, gamma=args.gamma, threshold=args.threshold,
+        batch_size=batch_size, max_new_tokens=args.max_new_tokens, json=True, sps_table=None,
+        profile_sps=profile_sps), target)
+
+
+def share_compiled_programs() -> None:
+    """A process-private persistent XLA cache (deleted at exit): programs that come out identical
+    for several configurations (e.g. the verify pass, which every scheduler shares) compile once.
+    Compilation is excluded from the timings either way; this only shortens the run."""
+    import atexit
+    import shutil
+    import tempfile
+
+    import jax
+
+    folder = tempfile.mkdtemp(prefix="dspark-bench-xla-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
