@@ -387,7 +387,7 @@ def test_sps_of_numpy_and_jit():
 def test_sps_table_json_round_trip_and_errors(tmp_path):
     table = SPSTable((1, 2, 4), (100.5, 90.25, 50.0), device="NVIDIA H200", model="qwen3-8b tp=1",
                      created="2026-01-01T00:00:00+00:00")
-    path = tmp_path / "sps.json"
+    path = tmp_path / "new_cache_folder" / "sps.json"  # created on save (a fresh checkout has no .dspark_cache/)
     save_sps_table(path, table)
     assert load_sps_table(path, device="NVIDIA H200", model="qwen3-8b tp=1", buckets=(1, 2, 4)) == table
     assert load_sps_table(str(path)) == table

@@ -186,6 +186,7 @@ def profile_sps(step_fn: Callable[[int], Any], buckets: Sequence[int], warmup: i
 def save_sps_table(path: str | os.PathLike, table: SPSTable) -> None:
     """Write the table as JSON (atomically: a temporary file renamed into place)."""
     path = os.fspath(path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(table.to_json(), f, indent=1)
