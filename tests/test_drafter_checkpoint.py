@@ -34,6 +34,7 @@ def test_round_trip_with_temperatures(tmp_path):
     save_drafter(path, DCFG, params, dtype="bfloat16")  # overwrite in place, compact storage
     assert os.path.getsize(os.path.join(path, "drafter.safetensors")) < sum(np.asarray(a).nbytes for a in jax.tree.leaves(params)) * 0.6
     assert [f for f in os.listdir(path) if f.startswith(".")] == []  # no temporary leftovers
+    assert os.stat(os.path.join(path, "drafter.safetensors")).st_mode & 0o044 == 0o044  # readable by others
 
 
 def test_wrong_target_is_a_clear_error(tmp_path):

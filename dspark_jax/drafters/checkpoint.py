@@ -40,6 +40,7 @@ def save_drafter(path: str, cfg: DrafterConfig, params: dict, *, sts_temperature
     tmp_weights, tmp_meta = os.path.join(path, f".{WEIGHTS}.tmp"), os.path.join(path, f".{META}.tmp")
     try:
         save_file(flat, tmp_weights)
+        os.chmod(tmp_weights, 0o644)  # a checkpoint is data to share, not a private temporary file
         with open(tmp_meta, "w") as f:
             json.dump(meta, f, indent=1)
         # Weights first: a crash in between leaves new weights with the old JSON, which the shape
