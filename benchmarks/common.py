@@ -140,7 +140,6 @@ def speculative_runner(args, target, *, scheduler: str, batch_size: int, profile
     this batch size under .dspark_cache/ (profiled when missing or when `profile_sps`)."""
     from dspark_jax.decode import load_speculative
 
-    os.makedirs(".dspark_cache", exist_ok=True)  # sps_table saves there without creating it
     return load_speculative(argparse.Namespace(
         drafter=args.drafter, scheduler=scheduler, gamma=args.gamma, threshold=args.threshold,
         batch_size=batch_size, max_new_tokens=args.max_new_tokens, json=True, sps_table=None,

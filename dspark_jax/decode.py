@@ -75,7 +75,7 @@ def load_speculative(args, target):
         raise UserError(f"--scheduler {args.scheduler} needs a drafter with a confidence head")
     dparams = jax.tree.map(lambda a: jnp.asarray(a, target.config.dtype), loaded.params)
     policy = args.scheduler.replace("-", "_")
-    sps = sps_table(args, target, dcfg, gamma) if policy.startswith("dspark") else None
+    sps = sps_table(args, target, dcfg, dparams, gamma) if policy.startswith("dspark") else None
     # Every policy but "fixed" verifies fewer tokens than R x (gamma + 1): flatten them into buckets.
     buckets = None
     if policy != "fixed":
@@ -93,26 +93,29 @@ def load_speculative(args, target):
     return run
 
 
-def sps_table(args, target, dcfg, gamma):
-    """Load the SPS table for this device, target, batch size and gamma, or profile and save it."""
+def sps_table(args, target, dcfg, dparams, gamma):
+    """Load the SPS table (round cost per verify bucket: the drafter's pass + the target's verify)
+    for this device, target, drafter, batch size and gamma, or profile and save it."""
     import os
 
     from dspark_jax.engine.speculative import profile_verify
     from dspark_jax.engine.sps import device_kind, load_sps_table, save_sps_table, token_buckets
 
-    model = f"{target.name}:{target.config.num_layers}x{target.config.hidden_size}:{target.config.dtype}"
+    # The draft cost is part of a round: the table belongs to the drafter's shape as well as the target's.
+    drafter = f"{dcfg.kind}-{dcfg.num_layers}L-{dcfg.head}-d{dcfg.hidden_size}"
+    model = f"{target.name}:{target.config.num_layers}x{target.config.hidden_size}:{target.config.dtype}+{drafter}"
     buckets = token_buckets(args.batch_size * (gamma + 1))
-    path = args.sps_table or os.path.join(
-        ".dspark_cache", f"sps_{target.name}_{device_kind().replace(' ', '_')}_b{args.batch_size}_g{gamma}.json")
+    path = args.sps_table or os.path.join(".dspark_cache", f"sps_{target.name}_{drafter}_"
+                                          f"{device_kind().replace(' ', '_')}_b{args.batch_size}_g{gamma}.json")
     if os.path.exists(path) and not args.profile_sps:
         return load_sps_table(path, device=device_kind(), model=model, buckets=buckets)
     if args.sps_table and not args.profile_sps:
         raise UserError(f"no SPS table at {args.sps_table} (add --profile-sps to measure one)")
     if not args.json:
-        print(f"profiling the verify step for {len(buckets)} token buckets ...", file=sys.stderr)
+        print(f"profiling a round (draft + verify) for {len(buckets)} token buckets ...", file=sys.stderr)
     max_len = 512
     table = profile_verify(target.params, target.config, dcfg, rows=args.batch_size, gamma=gamma, max_len=max_len,
-                           model=model)
+                           model=model, dparams=dparams)
     save_sps_table(path, table)
     return table
 

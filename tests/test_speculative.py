@@ -165,3 +165,25 @@ def test_continuous_batching_refills_slots_and_stays_lossless(policy):
     got_stop = speculative_serve(TARGET, TCFG, dparams, dcfg, prompts, slots=3,
                                  cfg=SpecConfig(gamma=4, stop_ids=(stop,), **spec), **budgets)
     assert got_stop.token_ids == want_stop
+
+
+def test_sps_profile_times_the_draft_with_the_verify(monkeypatch):
+    """With the drafter's params, every timed call runs the drafter's pass and the verify pass of
+    its bucket (SPS = 1 / round cost); without, the verify pass alone."""
+    from dspark_jax.engine import sps as sps_module
+    from dspark_jax.engine.speculative import Drafted, profile_verify
+
+    seen = {}
+
+    def fake_profile(step_fn, buckets, **kw):
+        seen["buckets"], seen["outputs"] = buckets, [step_fn(b) for b in buckets]
+        return SPSTable(tuple(buckets), tuple(1.0 for _ in buckets), model=kw["model"])
+
+    monkeypatch.setattr(sps_module, "profile_sps", fake_profile)
+    dcfg, dparams = drafter()
+    table = profile_verify(TARGET, TCFG, dcfg, rows=2, gamma=4, max_len=32, model="m", dparams=dparams)
+    assert table.buckets == (1, 2, 4, 8, 10) and seen["buckets"] == (1, 2, 4, 8, 10)
+    for (drafted, (logits, _, _)), n in zip(seen["outputs"], seen["buckets"]):
+        assert isinstance(drafted, Drafted) and drafted.tokens.shape == (2, 4) and logits.shape[:2] == (2, 5)
+    profile_verify(TARGET, TCFG, dcfg, rows=2, gamma=4, max_len=32, model="m")
+    assert all(out[0] is None for out in seen["outputs"])

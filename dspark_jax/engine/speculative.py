@@ -293,9 +293,16 @@ def speculative_generate(
 
 
 def profile_verify(target_params, tcfg: ModelConfig, dcfg: DrafterConfig, *, rows: int, gamma: int, max_len: int,
-                   model: str, repeats: int = 3):
-    """Profile the target verify pass (the round's dominant cost) for every token bucket up to
-    rows x (gamma + 1) on this device: the SPS table the dspark schedulers plan with."""
+                   model: str, dparams=None, repeats: int = 3):
+    """Profile a round's cost for every token bucket up to rows x (gamma + 1) on this device: the
+    SPS table the dspark schedulers plan with.
+
+    The target verify pass is timed at each bucket. With `dparams`, the drafter's pass for `rows`
+    rows (which every round pays whatever the scheduler decides) is timed in the same call, so
+    SPS(B) = 1 / (draft + verify(B)) and Theta = tau x SPS(B) is the round's real throughput. On
+    an accelerator serving a large target the draft is a rounding error; on a CPU with a 135M
+    target it is a quarter of a round, and leaving it out makes verifying more look dearer than it
+    is (the scheduler then under-verifies)."""
     from dspark_jax.engine.sps import profile_sps, token_buckets
 
     buckets = token_buckets(rows * (gamma + 1))
@@ -309,7 +316,16 @@ def profile_verify(target_params, tcfg: ModelConfig, dcfg: DrafterConfig, *, row
         programs[n] = functools.partial(fn.lower(target_params, cache=cache, verify_tokens=verify,
                                                  num_new=counts).compile(), target_params, cache=cache,
                                         verify_tokens=verify, num_new=counts)
-    return profile_sps(lambda n: programs[n](), buckets, warmup=1, repeats=repeats, model=model)
+    draft = lambda: None  # noqa: E731
+    if dparams is not None:
+        cfg = SpecConfig(gamma=gamma)
+        prompt = jnp.ones((rows, max_len // 2), jnp.int32)
+        state = spec_prefill(target_params, dparams, prompt, jnp.full((rows,), max_len // 2, jnp.int32),
+                             jnp.full((rows,), max_len, jnp.int32), jax.random.key(0), tcfg=tcfg, dcfg=dcfg, cfg=cfg,
+                             max_len=max_len)
+        run_draft = compiled(spec_draft, (target_params, dparams, state, None), dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg))
+        draft = functools.partial(run_draft, target_params, dparams, state, None)
+    return profile_sps(lambda n: (draft(), programs[n]()), buckets, warmup=1, repeats=repeats, model=model)
 
 
 def _set_row(batched: jax.Array, single: jax.Array, row, axis: int) -> jax.Array:
