@@ -214,7 +214,8 @@ def test_packing_invariants_and_anchors(tmp_path):
     for batch in batches:
         assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {
             "tokens": ((B, S), np.int32), "positions": ((B, S), np.int32), "segment_ids": ((B, S), np.int32),
-            "loss_mask": ((B, S), bool), "block_start": ((B, NB), np.int32), "block_valid": ((B, NB), bool)}
+            "loss_mask": ((B, S), bool), "block_start": ((B, NB), np.int32), "block_valid": ((B, NB), bool),
+            "token_index": ((B, S), np.int32)}
         pad = batch["segment_ids"] == 0
         assert not batch["tokens"][pad].any() and not batch["loss_mask"][pad].any()
         blocks_seen = 0

@@ -7,6 +7,9 @@
 * `pipeline` — grain pipeline: shards -> shuffle -> anchors -> anchor-bounded packing into fixed
                [B, S] batches with a checkpointable iterator (`PackingConfig`, `make_dataset`,
                `block_labels`), and `target_features` (the online frozen-target pass).
+* `feature_cache` — those target features computed once into a folder (bf16 `features.npy` +
+               `cache.json`) and read back per batch (`build_feature_cache`, `open_feature_cache`,
+               `gather`): training with `data.feature_cache` skips the target.
 
 Submodules are imported explicitly (`from dspark_jax.data.pipeline import make_dataset`) so that
 reading the split does not import JAX or grain.

@@ -90,7 +90,7 @@ def read_shard(path: str) -> dict[str, np.ndarray]:
     return data
 
 
-def _write_json_atomic(path: str, obj) -> None:
+def write_json_atomic(path: str, obj) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1)
@@ -98,18 +98,25 @@ def _write_json_atomic(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
-def read_manifest(folder: str) -> dict:
-    path = os.path.join(folder, MANIFEST)
+def read_json_file(path: str, fmt: str, missing: str, hint: str = "") -> dict:
+    """A JSON file with a "format" field (a manifest, a cache's metadata): UserError `missing` if it
+    does not exist, a one-line UserError (ending in `hint`) if it is corrupt or of another format."""
     if not os.path.exists(path):
-        raise UserError(f"{folder} is not a datagen output folder (no {MANIFEST})")
+        raise UserError(missing)
     try:
         with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
+            obj = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"corrupt {path}: {e}") from None
-    if manifest.get("format") != FORMAT:
-        raise UserError(f"{path}: unknown format {manifest.get('format')!r} (expected {FORMAT})")
-    return manifest
+        raise UserError(f"corrupt {path}: {e}{hint}") from None
+    if not isinstance(obj, dict) or obj.get("format") != fmt:
+        found = obj.get("format") if isinstance(obj, dict) else None
+        raise UserError(f"{path}: unknown format {found!r} (expected {fmt}){hint}")
+    return obj
+
+
+def read_manifest(folder: str) -> dict:
+    return read_json_file(os.path.join(folder, MANIFEST), FORMAT,
+                          f"{folder} is not a datagen output folder (no {MANIFEST})")
 
 
 # ---------------------------------------------------------------------------- the plan
@@ -236,7 +243,7 @@ def generate_dataset(target, sets: Sequence[str], split: str, out: str, *, limit
                     shards=entries, complete=len(shards) == len(batches),
                     created=(existing or {}).get("created", time.strftime("%Y-%m-%dT%H:%M:%S")))
 
-    _write_json_atomic(os.path.join(out, MANIFEST), manifest())
+    write_json_atomic(os.path.join(out, MANIFEST), manifest())
     sampling = SamplingConfig(temperature, top_k, top_p)
     stop_ids = tuple(target.tokenizer.eos_token_ids)
     todo = [i for i in range(len(batches)) if i not in shards]
@@ -256,7 +263,7 @@ def generate_dataset(target, sets: Sequence[str], split: str, out: str, *, limit
         finished = [bool(r) and r[-1] in stop_ids for r in responses]
         shards[index] = write_shard(os.path.join(out, shard_name(index)), prompts, responses,
                                     [e.example_id for e in batch], finished)
-        _write_json_atomic(os.path.join(out, MANIFEST), manifest())
+        write_json_atomic(os.path.join(out, MANIFEST), manifest())
         written += 1
         new_tokens += shards[index]["response_tokens"]
         bar.update(len(batch))

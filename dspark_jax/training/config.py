@@ -5,7 +5,7 @@ A config has five sections (see configs/dspark_smollm2-135m.yaml):
   drafter:  DrafterConfig fields that are not derived from the target (kind, num_layers, block_size,
             head, markov_rank, confidence, target_layer_ids, mask_token_id, ...)
   loss:     LossWeights (ce, tv, conf, decay)
-  data:     where the regenerated responses live and how batches are packed
+  data:     where the regenerated responses live, how batches are packed, the optional feature cache
   optim:    optax settings;  run: output folder, logging, checkpointing, mesh, dtype
 """
 
@@ -32,6 +32,9 @@ class DataConfig:
     blocks_per_row: int = 32  # NB
     anchors_per_seq: int = 16
     seed: int = 0
+    # A folder for the target's features of train_dir (dspark_jax/data/feature_cache.py): built on
+    # the first run, then training reads them instead of running the target. None = online.
+    feature_cache: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +109,9 @@ def _coerce(section: str, cls, values: dict) -> Any:
     out = {}
     for k, v in values.items():
         default = getattr(cls(), k)
-        if isinstance(default, tuple):
+        if fields[k].type in ("str", "str | None") and v is not None:
+            v = str(v)  # a path like 2024 parses as a number
+        elif isinstance(default, tuple):
             v = tuple(v)
         elif isinstance(default, (int, float)) and not isinstance(default, bool) and isinstance(v, str):
             try:  # YAML 1.1 reads "1e-3" as a string

@@ -3,7 +3,9 @@
 State (step, fp32 master params, optimizer state) is one pytree. A step takes `grad_accum`
 micro-batches (a `lax.scan`, one optimizer update), computes in `compute_dtype` (bf16 by default)
 and never differentiates the frozen target: its params enter the step as a separate argument and
-only the drafter params are differentiated.
+only the drafter params are differentiated. With `data.feature_cache` set, the target's features
+come from the on-disk cache (`dspark_jax.data.feature_cache`, built at startup if missing), gathered
+on the host into each train batch, and the step never runs the target; evaluation stays online.
 
 Checkpoints are orbax CheckpointManager saves of {state, grain iterator state, config}; orbax
 finalises a step by renaming a temporary folder, so a kill at any moment leaves only complete
@@ -17,6 +19,7 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 import time
 from typing import Any, Callable, Iterator
 
@@ -165,7 +168,8 @@ class Trainer:
     """Owns the mesh, shardings, jitted step and checkpoint manager of one run."""
 
     def __init__(self, cfg: TrainConfig, target,
-                 data_factory: Callable[[TrainConfig, DrafterConfig], Iterator] = make_train_iterator):
+                 data_factory: Callable[[TrainConfig, DrafterConfig], Iterator] = make_train_iterator,
+                 progress: bool = True):
         import orbax.checkpoint as ocp
 
         self.cfg, self.target = cfg, target
@@ -194,6 +198,7 @@ class Trainer:
         self.data = data_factory(cfg, self.dcfg)
         self.eval_step = jax.jit(make_loss(cfg, self.dcfg, target.config), out_shardings=replicated)
         self.eval_sharding = NamedSharding(self.mesh, sharding.logical_spec(self.mesh, ("batch",), (cfg.data.rows,)))
+        self.feature_cache = self._feature_cache(progress) if cfg.data.feature_cache else None
         os.makedirs(cfg.run.out_dir, exist_ok=True)
         self.manager = ocp.CheckpointManager(
             os.path.abspath(os.path.join(cfg.run.out_dir, "checkpoints")),
@@ -228,10 +233,47 @@ class Trainer:
             state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(self.data)))
         return restored["state"]
 
-    def device_batch(self, batch: dict) -> dict:
-        """This process's rows -> one global array per field (multi-host safe)."""
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
-                for k, v in batch.items()}
+    def _feature_cache(self, progress: bool):
+        """Open data.feature_cache, checked against this run; build it first if it is not complete."""
+        from dspark_jax.data import feature_cache
+        from dspark_jax.data.pipeline import ShardSource
+
+        cfg, path = self.cfg, self.cfg.data.feature_cache
+        expected = feature_cache.cache_spec(self.target.name, self.target.config, self.dcfg.tap_layers,
+                                            feature_cache.data_fingerprint(cfg.data.train_dir), cfg.data.seq_len)
+        if not feature_cache.is_complete(path):
+            if jax.process_count() > 1:
+                raise UserError(f"no complete feature cache in {path}: build it with a single-process run "
+                                f"(it is one file for all processes), or train without data.feature_cache")
+            print(f"building the feature cache of {cfg.data.train_dir} in {path} (once; later runs reuse it)",
+                  file=sys.stderr, flush=True)
+            compute = jnp.dtype(cfg.run.compute_dtype)  # the dtype the online path would compute in
+            feature_cache.build_feature_cache(
+                _cast(self.target_params, compute), self.target.config.replace(dtype=str(compute)),
+                self.dcfg.tap_layers, ShardSource(cfg.data.train_dir), cfg.data.seq_len, path, rows=cfg.data.rows,
+                progress=progress, target_name=self.target.name, batch_sharding=self.eval_sharding)
+        return feature_cache.open_feature_cache(path, expected)
+
+    def host_batch(self, batch: dict) -> dict:
+        """A train batch from the pipeline -> what the step takes: the cached target features added
+        (with data.feature_cache), the host-only token_index dropped."""
+        batch = dict(batch)
+        token_index = batch.pop("token_index", None)
+        if self.feature_cache is None:
+            return batch
+        if token_index is None:
+            raise UserError("data.feature_cache needs batches with token_index (dspark_jax.data.pipeline)")
+        from dspark_jax.data.feature_cache import gather
+
+        ctx, last = gather(self.feature_cache, token_index, batch["segment_ids"] > 0)
+        return {**batch, "ctx_features": ctx, "target_last_hidden": last}
+
+    def device_batch(self, batch: dict, batch_sharding: NamedSharding | None = None) -> dict:
+        """This process's rows -> one global array per field (multi-host safe); token_index stays
+        on the host."""
+        batch_sharding = batch_sharding or self.batch_sharding
+        return {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v))
+                for k, v in batch.items() if k != "token_index"}
 
     def evaluate(self, params) -> dict:
         """Mean metrics over the first run.eval_batches batches of data.eval_dir (the same batches
@@ -242,8 +284,7 @@ class Trainer:
         totals: dict = {}
         count = 0
         for batch, _ in zip(batches, range(self.cfg.run.eval_batches)):
-            batch = {k: jax.make_array_from_process_local_data(self.eval_sharding, np.asarray(v))
-                     for k, v in batch.items()}
+            batch = self.device_batch(batch, self.eval_sharding)  # online target features
             _, metrics = self.eval_step(params, self.target_params, batch)
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0) + np.asarray(v, np.float64)
@@ -266,7 +307,7 @@ class Trainer:
         t_last, blocks = time.perf_counter(), 0
         with open(log_path, "a") as log:
             for _ in range(start, end):
-                batch = self.device_batch(next(self.data))
+                batch = self.device_batch(self.host_batch(next(self.data)))
                 blocks += int(np.asarray(batch["block_valid"]).sum())
                 state, metrics = self.train_step(state, self.target_params, batch)
                 step = int(state.step)
