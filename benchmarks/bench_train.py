@@ -2,7 +2,7 @@
 target features and (with --feature-cache) with the on-disk feature cache, side by side.
 
     python benchmarks/bench_train.py [--configs dspark,dflash,eagle3] [--steps 8] [--data data/smollm2-train]
-                                     [--feature-cache data/smollm2-train-features]
+                                     [--feature-cache data/smollm2-train-features] [--out benchmarks/results/train.md]
 
 Each config runs in its own process (so the memory peak is its own) for --steps optimizer steps on
 the real regenerated data; the first two steps (compilation) are excluded from the rates. A step is
@@ -31,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import write_results  # noqa: E402
+from common import output_paths, write_results  # noqa: E402
 
 
 def make_trainer(config: str, steps: int, data: str, feature_cache: str | None):
@@ -166,6 +166,8 @@ def main() -> None:
                          "be for the same --data and the configs' target, tap layers and seq_len), side by side "
                          "with the online step; built first when DIR holds no complete cache (over the full data "
                          "that takes minutes: the target runs once over every token, ~1k tokens/s on 2 CPU cores)")
+    ap.add_argument("--out", default="benchmarks/results/train.md",
+                    help="results .md (the .json goes next to it)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--build", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -197,7 +199,8 @@ def main() -> None:
             sys.exit(f"{config} failed:\n{proc.stderr[-2000:]}")
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
-    paths = write_results("train", {**results, "rows": rows}, markdown(rows, args.feature_cache is not None))
+    directory, name, _ = output_paths(args.out)
+    paths = write_results(name, {**results, "rows": rows}, markdown(rows, args.feature_cache is not None), directory)
     print("wrote", *paths)
 
 
