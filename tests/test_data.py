@@ -62,6 +62,30 @@ def test_shard_round_trip(tmp_path):
     assert data["example_ids"].tolist() == ["a/1", "b/2"]
 
 
+def test_write_json_atomic_syncs_before_the_rename(tmp_path, monkeypatch):
+    events = []
+    fsync, replace = os.fsync, os.replace
+
+    def recorded_fsync(fd):
+        events.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else None))
+        fsync(fd)
+
+    def recorded_replace(src, dst):
+        events.append(("replace", os.path.basename(src)))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    monkeypatch.setattr(os, "replace", recorded_replace)
+    path = tmp_path / "manifest.json"
+    datagen.write_json_atomic(str(path), {"a": 1})
+    assert json.loads(path.read_text()) == {"a": 1} and os.listdir(tmp_path) == ["manifest.json"]
+    names = [e[0] for e in events]
+    assert names == ["fsync", "replace", "fsync"], events  # the data, the rename, then the folder
+    assert events[1] == ("replace", "manifest.json.tmp")
+    if events[0][1] is not None:
+        assert events[0][1] is False and events[2][1] is True  # a file, then the folder
+
+
 class WordTokenizer:
     """Stand-in for the target tokenizer: words -> ids, a tiny chat frame, stop id 2."""
 
@@ -215,7 +239,7 @@ def test_packing_invariants_and_anchors(tmp_path):
         assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {
             "tokens": ((B, S), np.int32), "positions": ((B, S), np.int32), "segment_ids": ((B, S), np.int32),
             "loss_mask": ((B, S), bool), "block_start": ((B, NB), np.int32), "block_valid": ((B, NB), bool),
-            "token_index": ((B, S), np.int32)}
+            "token_index": ((B, S), np.int64)}
         pad = batch["segment_ids"] == 0
         assert not batch["tokens"][pad].any() and not batch["loss_mask"][pad].any()
         blocks_seen = 0

@@ -1,20 +1,26 @@
 """The on-disk target feature cache: token indices, equality with the online path, staleness, atomicity."""
 
 import dataclasses
+import errno
 import json
 import os
+import socket
+import subprocess
+import sys
 
+import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from test_data import fake_examples, write_fake_dataset
-from test_training import TARGET_CFG, tiny_config, tiny_target
+from test_training import TARGET_CFG, params_of, tiny_config, tiny_target
 
-from dspark_jax.data import feature_cache, pipeline
+from dspark_jax.data import datagen, feature_cache, pipeline
 from dspark_jax.data.pipeline import PackingConfig, ShardSource, make_dataset, target_features
 from dspark_jax.errors import UserError
 from dspark_jax.training.config import config_to_dict, load_config
-from dspark_jax.training.trainer import Trainer
+from dspark_jax.training.trainer import Trainer, target_feature_inputs
 
 TAPS = (1, 3)
 PACK = PackingConfig(batch_size=3, seq_len=96, max_blocks=6, block_size=4, anchors_per_seq=3, seed=2, num_epochs=1)
@@ -33,15 +39,41 @@ def build(source, out, **kw):
                                              progress=False, **kw)
 
 
+def cached_config(tmp_path, cache=None, **run):
+    cfg = tiny_config(tmp_path)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, feature_cache=str(cache or tmp_path / "cache")),
+                               run=dataclasses.replace(cfg.run, **run))
+
+
+def partials(folder):
+    return sorted(n for n in os.listdir(folder) if n.startswith("features.npy.partial"))
+
+
 def test_token_index_points_at_the_tokens(tmp_path):
     source = ShardSource([tiny_data(tmp_path, "a", 0), tiny_data(tmp_path, "b", 1)])  # 2 folders x 2 shards
     count = 0
     for batch in make_dataset(source, PACK):
         present = batch["segment_ids"] > 0
+        assert batch["token_index"].dtype == np.int64
         np.testing.assert_array_equal(source.tokens[batch["token_index"][present]], batch["tokens"][present])
         assert not batch["token_index"][~present].any()
         count += int(present.sum())
     assert count > 0 and source.tokens.size > 2 * 24 * 10
+
+
+class _FarSource(ShardSource):
+    """A ShardSource whose examples claim to start 2**32 tokens further on (data of > 2**31 tokens)."""
+
+    def __getitem__(self, index):
+        return {**super().__getitem__(index), "offset": super().__getitem__(index)["offset"] + 2**32}
+
+
+def test_token_index_is_int64_end_to_end(tmp_path):
+    source = _FarSource(tiny_data(tmp_path))
+    batch = next(iter(make_dataset(source, PACK)))
+    present = batch["segment_ids"] > 0
+    assert batch["token_index"].dtype == np.int64 and batch["token_index"][present].min() >= 2**32
+    np.testing.assert_array_equal(source.tokens[batch["token_index"][present] - 2**32], batch["tokens"][present])
 
 
 def test_cached_features_equal_online_features(tmp_path):
@@ -58,9 +90,11 @@ def test_cached_features_equal_online_features(tmp_path):
         present = batch["segment_ids"] > 0
         ctx, last = feature_cache.gather(cache, batch["token_index"], present)
         online_ctx, online_last = (np.asarray(a) for a in target_features(params, TARGET_CFG, batch, TAPS))
-        assert ctx.dtype == last.dtype == np.float32
+        assert ctx.dtype == last.dtype == ml_dtypes.bfloat16  # as stored: half the bytes of float32
+        assert ctx.flags.c_contiguous and last.flags.c_contiguous
         assert ctx.shape == online_ctx.shape and last.shape == online_last.shape
         for cached, online in ((ctx, online_ctx), (last, online_last)):
+            cached = cached.astype(np.float32)
             assert not cached[~present].any()  # zeros at padding
             np.testing.assert_allclose(cached[present], online[present], rtol=2**-8, atol=1e-6)  # bf16 rounding
         checked += int(present.sum())
@@ -103,6 +137,71 @@ def test_loss_with_the_cache_matches_the_online_loss(tmp_path, kind):
     assert int(state.step) == 2 and all(np.isfinite(r["loss"]) for r in log)
 
 
+def test_a_bf16_run_caches_exactly_the_online_features(tmp_path):
+    """In a bfloat16 run the online path runs the target with its params cast to bf16 and its own
+    (float32) config, and the loss casts the features to bf16: the cache must hold those features,
+    not ones computed another way (e.g. with bf16 activations)."""
+    cfg = cached_config(tmp_path, compute_dtype="bfloat16")
+    trainer = Trainer(cfg, tiny_target(), progress=False)  # builds the cache
+    assert trainer.feature_cache.meta["compute_dtype"] == "bfloat16"
+    params = trainer.init_state().params
+    batch = next(trainer.data)
+    cached = trainer.host_batch(batch)
+    present = batch["segment_ids"] > 0
+    # what make_loss computes online, rounded to bf16 as the loss does
+    online = target_features(*target_feature_inputs(trainer.target_params, TARGET_CFG, "bfloat16"), batch,
+                             trainer.dcfg.tap_layers)
+    for k, value in zip(("ctx_features", "target_last_hidden"), online):
+        want = np.asarray(value.astype(jnp.bfloat16)).astype(np.float32)[present]
+        got = cached[k].astype(np.float32)[present]
+        # equal up to rare 1-ulp flips (packing-dependent rounding); a different precision (bf16
+        # activations) differs in far more elements and by many ulps
+        assert np.mean(got != want) < 0.02, (k, np.mean(got != want))
+        np.testing.assert_allclose(got, want, rtol=2**-7, atol=1e-6)
+
+    def loss(b):
+        return float(trainer.eval_step(params, trainer.target_params, trainer.device_batch(b, trainer.eval_sharding))[0])
+
+    with_cache, online_loss = loss(cached), loss(batch)
+    assert abs(with_cache - online_loss) < 2e-5 * abs(online_loss), (with_cache, online_loss)  # bf16 activations: 2e-4
+    trainer.close()
+
+
+def test_the_cached_step_never_runs_the_target(tmp_path):
+    """A cached train step with the target's layers poisoned (NaN) is the clean cached step: only
+    the embedding and LM head, which the drafter shares, enter it."""
+    trainer = Trainer(cached_config(tmp_path), tiny_target(), progress=False)
+    host = next(trainer.data)
+    batch = trainer.device_batch(trainer.host_batch(host))
+    poisoned = jax.device_put({k: v if k in ("embed", "lm_head") else jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), v)
+                               for k, v in tiny_target().params.items()}, trainer.target_shardings)
+    clean_state, clean = trainer.train_step(trainer.init_state(), trainer.target_params, batch)
+    state, metrics = trainer.train_step(trainer.init_state(), poisoned, batch)
+    assert np.isfinite(float(metrics["loss"])) and float(metrics["loss"]) == float(clean["loss"])
+    for a, b in zip(jax.tree.leaves(params_of(clean_state)), jax.tree.leaves(params_of(state))):
+        np.testing.assert_array_equal(a, b)
+    _, online = trainer.train_step(trainer.init_state(), poisoned, trainer.device_batch(host))  # runs the target
+    assert np.isnan(float(online["loss"]))  # so the poison would show
+    trainer.close()
+
+
+def test_resume_with_the_cache_is_bit_for_bit(tmp_path):
+    cache = tmp_path / "cache"  # one cache for both runs: their data folders hold the same tokens
+    straight = Trainer(cached_config(tmp_path / "a", cache), tiny_target(), progress=False)
+    full = params_of(straight.fit(progress=False))
+    straight.close()
+    cfg = cached_config(tmp_path / "b", cache)
+    first = Trainer(cfg, tiny_target(), progress=False)
+    first.fit(stop_after=3, progress=False)
+    first.close()
+    second = Trainer(cfg, tiny_target(), progress=False)
+    resumed = second.fit(resume=True, progress=False)
+    second.close()
+    assert int(resumed.step) == 6
+    for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(params_of(resumed))):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_a_stale_cache_is_refused(tmp_path):
     cfg = tiny_config(tmp_path)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, feature_cache=str(tmp_path / "cache")))
@@ -118,6 +217,40 @@ def test_a_stale_cache_is_refused(tmp_path):
                                     cfg.data.seq_len)  # taps (1, 3) = target_layer_ids (0, 2)
     with pytest.raises(UserError, match="data is .* tokens in 1 shards of 1 folder.* here"):
         feature_cache.open_feature_cache(cfg.data.feature_cache, spec)
+
+
+def test_regenerated_data_of_the_same_lengths_is_refused(tmp_path):
+    cfg = cached_config(tmp_path)
+    Trainer(cfg, tiny_target(), progress=False).close()
+    manifest = datagen.read_manifest(cfg.data.train_dir)
+    shard = os.path.join(cfg.data.train_dir, manifest["shards"][0]["file"])
+    with np.load(shard) as z:
+        data = dict(z)
+    data["tokens"] = data["tokens"] % (TARGET_CFG.vocab_size - 1) + 1  # other tokens, every length the same
+    np.savez(shard, **data)
+    assert datagen.read_manifest(cfg.data.train_dir) == manifest
+    with pytest.raises(UserError, match="data content differs: the same .* tokens in 1 shards .* other tokens"):
+        Trainer(cfg, tiny_target(), progress=False)
+    meta_path = os.path.join(cfg.data.feature_cache, "cache.json")
+    meta = json.load(open(meta_path))
+    for folder in meta["data"]:  # a cache from before content hashes
+        del folder["content_blake2b"]
+    json.dump(meta, open(meta_path, "w"))
+    with pytest.raises(UserError, match="no content hash there"):
+        Trainer(cfg, tiny_target(), progress=False)
+    del meta["data"]  # hand-edited
+    json.dump(meta, open(meta_path, "w"))
+    with pytest.raises(UserError, match="data is missing there, .* tokens in 1 shards of 1 folder"):
+        Trainer(cfg, tiny_target(), progress=False)
+
+
+def test_the_fingerprint_hashes_every_folder_s_content(tmp_path):
+    a, b = tiny_data(tmp_path, "a", 0), tiny_data(tmp_path, "b", 1)
+    both = feature_cache.data_fingerprint(ShardSource([a, b]))
+    assert [f["content_blake2b"] for f in both] == [feature_cache.data_fingerprint(x)[0]["content_blake2b"]
+                                                    for x in (a, b)]  # per folder, independent of the others
+    assert both[0]["content_blake2b"] != both[1]["content_blake2b"]
+    assert feature_cache.data_fingerprint([a, b]) == both  # folders are loaded into a ShardSource
 
 
 def test_an_interrupted_build_leaves_no_complete_cache(tmp_path, monkeypatch):
@@ -136,16 +269,69 @@ def test_an_interrupted_build_leaves_no_complete_cache(tmp_path, monkeypatch):
         monkeypatch.setattr(pipeline, "target_features", failing)
         with pytest.raises(RuntimeError, match="killed"):
             build(source, out)
-        assert not feature_cache.is_complete(str(out)) and not os.path.exists(out / "features.npy.partial")
+        assert not feature_cache.is_complete(str(out)) and not partials(out)
         with pytest.raises(UserError, match="no complete feature cache"):
             feature_cache.open_feature_cache(str(out))
         monkeypatch.setattr(pipeline, "target_features", online)
         calls.clear()
-        with open(out / "features.npy.partial", "wb") as f:  # what a kill -9 would leave
-            f.write(b"junk")
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout.strip()  # a process that is gone
+        host = socket.gethostname()
+        killed, live, elsewhere = (f"features.npy.partial.{host}.{dead}.0a1b2c",  # what a kill -9 would leave
+                                   f"features.npy.partial.{host}.{os.getppid()}.0a1b2c",  # a build running now
+                                   f"features.npy.partial.other-host.{dead}.0a1b2c")
+        for name in (killed, live, elsewhere):
+            (out / name).write_bytes(b"junk")
         cache = build(source, out)
-        assert feature_cache.is_complete(str(out)) and not os.path.exists(out / "features.npy.partial")
+        assert feature_cache.is_complete(str(out)) and partials(out) == sorted([live, elsewhere])
         assert cache.features[source.offsets[1]: source.offsets[2]].any()
+        for name in partials(out):
+            os.remove(out / name)
+
+
+def test_two_builds_into_one_folder_do_not_clash(tmp_path, monkeypatch):
+    source = ShardSource(tiny_data(tmp_path))
+    out = tmp_path / "cache"
+    online = pipeline.target_features
+    calls = []
+
+    def with_a_second_build(*args):  # a second build runs, start to end, in the middle of the first
+        calls.append(1)
+        if len(calls) == 2:
+            monkeypatch.setattr(pipeline, "target_features", online)
+            build(source, out)
+            assert feature_cache.is_complete(str(out)) and len(partials(out)) == 1  # the first build's
+        return online(*args)
+
+    monkeypatch.setattr(pipeline, "target_features", with_a_second_build)
+    cache = build(source, out)
+    assert len(calls) == 2 and feature_cache.is_complete(str(out)) and not partials(out)
+    assert cache.features[source.offsets[1]: source.offsets[2]].any()
+
+
+def test_write_errors_are_one_line_user_errors(tmp_path, monkeypatch):
+    source = ShardSource(tiny_data(tmp_path))
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    with pytest.raises(UserError, match="is a file, not a folder"):
+        build(source, a_file)
+    with pytest.raises(UserError, match="cannot write the feature cache in .*a_file/sub: Not a directory"):
+        build(source, a_file / "sub")
+    out = tmp_path / "cache"
+    os.makedirs(out)
+    written = []
+
+    def full_disk(f, *args):
+        written.append(1)
+        if len(written) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write(f, *args)
+
+    write = feature_cache._write_batch
+    monkeypatch.setattr(feature_cache, "_write_batch", full_disk)
+    with pytest.raises(UserError, match=r"failed: No space left on device \(it needs 0.0 GiB\); free space"):
+        build(source, out)
+    assert not partials(out) and not feature_cache.is_complete(str(out))
 
 
 def test_config_key(tmp_path):
@@ -155,3 +341,9 @@ def test_config_key(tmp_path):
     assert default.data.feature_cache is None
     assert json.loads(json.dumps(config_to_dict(default)))["data"]["feature_cache"] is None
     assert load_config("configs/dspark_smollm2-135m.yaml", ["data.feature_cache=2024"]).data.feature_cache == "2024"
+    for off in ("false", "null", "none", "None", "no", "~"):  # switched off, not a folder named "False"
+        assert load_config("configs/dspark_smollm2-135m.yaml", [f"data.feature_cache={off}"]).data.feature_cache is None
+    with pytest.raises(UserError, match="data.feature_cache must be a string, got true .false, null or none"):
+        load_config("configs/dspark_smollm2-135m.yaml", ["data.feature_cache=true"])
+    with pytest.raises(UserError, match="run.out_dir must be a string, got false$"):
+        load_config("configs/dspark_smollm2-135m.yaml", ["run.out_dir=false"])

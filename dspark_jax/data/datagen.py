@@ -91,11 +91,26 @@ def read_shard(path: str) -> dict[str, np.ndarray]:
 
 
 def write_json_atomic(path: str, obj) -> None:
+    """Write `obj` as JSON to `path` so that a crash (or power loss) leaves the old file or the new
+    one, never a torn one: a temporary file, flushed to disk, renamed over `path`, then the folder
+    synced so that the rename itself is durable."""
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1)
         f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    try:
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    except OSError:  # a platform without directory file descriptors (Windows)
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on a directory
+        pass
+    finally:
+        os.close(fd)
 
 
 def read_json_file(path: str, fmt: str, missing: str, hint: str = "") -> dict:

@@ -21,27 +21,37 @@ Folder:
     features.npy   uint16 [num_tokens, F]: bfloat16 bit patterns (numpy has no bfloat16 dtype), a
                    plain .npy read back with np.load(mmap_mode="r"); no pickle anywhere
     cache.json     format, target + target_shape, tap_layers, d, F, seq_len, data (per data folder:
-                   its shard files and their token counts), num_tokens, dtype, compute_dtype, created
+                   its shard files, their token counts and `content_blake2b`, a hash of the folder's
+                   tokens, example boundaries and prompt lengths), num_tokens, dtype, compute_dtype
+                   (what the target's params were cast to), activation_dtype, created
 
 Building (`build_feature_cache`). Examples (cut at seq_len) are packed first-fit, in data order,
 into [rows, seq_len] rows exactly like training rows (segment ids, positions restarting at 0), run
-through `pipeline.target_features` and written in order to `features.npy.partial`, which is renamed
-to `features.npy` when complete; `cache.json` is written last (and removed when a rebuild starts),
-so a folder is complete iff it has `cache.json`, and a killed build leaves nothing that looks
-complete: the next build starts over.
+through `pipeline.target_features` and written in order to `features.npy.partial.<host>.<pid>.<id>`
+(a name of this build's own, so concurrent builds never write into one file) by the target run as
+the online path runs it (the trainer passes `trainer.target_feature_inputs`), which is renamed to
+`features.npy` when complete; `cache.json` is written last (and removed when a rebuild starts), so
+a folder is complete iff it has `cache.json`, and a killed build leaves nothing that looks complete:
+the next build starts over (and removes the partial files of builds on this host whose process is
+gone). Write errors (a full disk, an unwritable folder) are one-line UserErrors.
 
-Opening (`open_feature_cache`) checks cache.json against the run (target, tap layers, data,
-seq_len: `cache_spec`); a cache built for something else is a one-line UserError, never silently
-wrong features. `gather` reads a batch's rows (float32, zeros at padding).
+Opening (`open_feature_cache`) checks cache.json against the run (target, tap layers, data with
+its content hash, seq_len: `cache_spec`); a cache built for something else is a one-line
+UserError, never silently wrong features. `gather` reads a batch's rows (bfloat16, zeros at
+padding).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import hashlib
 import json
 import os
 import shutil
+import socket
 import time
+import uuid
 from typing import Sequence
 
 import jax
@@ -51,29 +61,41 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dspark_jax.data import pipeline
-from dspark_jax.data.datagen import read_json_file, read_manifest, write_json_atomic
+from dspark_jax.data.datagen import read_json_file, write_json_atomic
 from dspark_jax.errors import UserError
 
 FORMAT = "dspark-feature-cache-v1"
 FEATURES = "features.npy"
 META = "cache.json"
-_PARTIAL = FEATURES + ".partial"
+_PARTIAL = FEATURES + ".partial"  # + ".<host>.<pid>.<random>": one file per build
 
 # ---------------------------------------------------------------------------- what a cache is for
 
 
-def data_fingerprint(data: pipeline.ShardSource | str | Sequence[str]) -> list[dict]:
-    """Per data folder, in order: the shard files read, their token counts and the folder's total
-    (from the manifests).
+def content_hash(source: pipeline.ShardSource, first: int, end: int) -> str:
+    """blake2b (128 bits, hex) of examples [first, end) of `source`: their count, tokens (int32),
+    boundaries (offsets from the first, int64) and prompt lengths (int32), little-endian. Two
+    datasets with the same shards and lengths but other tokens hash differently. About 1 GB/s."""
+    offsets = source.offsets[first: end + 1]
+    h = hashlib.blake2b(digest_size=16)
+    h.update(np.array([end - first, offsets[-1] - offsets[0]], "<i8").tobytes())
+    h.update(np.ascontiguousarray(source.tokens[offsets[0]: offsets[-1]], "<i4").data)
+    h.update(np.ascontiguousarray(offsets - offsets[0], "<i8").data)
+    h.update(np.ascontiguousarray(source.prompt_lens[first:end], "<i4").data)
+    return h.hexdigest()
 
-    A ShardSource gives the shards it actually loaded; folders are read from their manifests now."""
-    if isinstance(data, pipeline.ShardSource):
-        entries = data.shard_entries
-    else:
-        folders = [data] if isinstance(data, (str, os.PathLike)) else list(data)
-        entries = [read_manifest(folder)["shards"] for folder in folders]
+
+def data_fingerprint(data: pipeline.ShardSource | str | Sequence[str]) -> list[dict]:
+    """Per data folder, in order: the shard files read, their token counts, the folder's total and
+    `content_blake2b` (`content_hash` of its examples).
+
+    Pass the ShardSource the run trains on (the trainer does): the fingerprint is then of exactly
+    the data loaded; folders are loaded into one first."""
+    source = data if isinstance(data, pipeline.ShardSource) else pipeline.ShardSource(data)
     return [{"shards": [e["file"] for e in shards], "shard_tokens": [int(e["num_tokens"]) for e in shards],
-             "num_tokens": int(sum(e["num_tokens"] for e in shards))} for shards in entries]
+             "num_tokens": int(sum(e["num_tokens"] for e in shards)),
+             "content_blake2b": content_hash(source, first, end)}
+            for shards, (first, end) in zip(source.shard_entries, source.folder_examples)]
 
 
 def cache_spec(target_name: str, target_cfg, tap_layers: Sequence[int], data: list[dict], seq_len: int) -> dict:
@@ -85,10 +107,31 @@ def cache_spec(target_name: str, target_cfg, tap_layers: Sequence[int], data: li
 
 
 def _describe(key: str, value) -> str:
+    if value is None:
+        return "missing"
     if key == "data":
-        return (f"{sum(f['num_tokens'] for f in value)} tokens in "
-                f"{sum(len(f['shards']) for f in value)} shards of {len(value)} folder(s)")
+        try:
+            return (f"{sum(int(f['num_tokens']) for f in value)} tokens in "
+                    f"{sum(len(f['shards']) for f in value)} shards of {len(value)} folder(s)")
+        except (TypeError, KeyError, ValueError):  # a hand-edited cache.json
+            pass
     return json.dumps(value)
+
+
+def _mismatch(key: str, there, here) -> str:
+    """What differs, in words: `key` is <there> there, <here> here (or, for data of the same size,
+    that the content differs)."""
+    a, b = _describe(key, there), _describe(key, here)
+    if key == "data" and a == b:
+        try:
+            hashed = all("content_blake2b" in f for f in there)
+        except TypeError:
+            hashed = True
+        if not hashed:
+            return (f"data has the same shards and token counts but no content hash there (the cache was built "
+                    f"before content hashes were recorded), so its tokens cannot be checked against {b} here")
+        return f"data content differs: the same {a} there and here, but other tokens (content hash)"
+    return f"{key} is {a} there, {b} here"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,9 +158,8 @@ def open_feature_cache(out_dir: str, expected: dict | None = None) -> FeatureCac
                           f"; delete {out_dir} to rebuild the cache")
     for key, want in (expected or {}).items():
         if meta.get(key) != want:
-            raise UserError(f"feature cache {out_dir} does not match this run: {key} is {_describe(key, meta.get(key))} "
-                            f"there, {_describe(key, want)} here; delete the folder to rebuild it or set "
-                            f"data.feature_cache to another folder")
+            raise UserError(f"feature cache {out_dir} does not match this run: {_mismatch(key, meta.get(key), want)}; "
+                            f"delete the folder to rebuild it or set data.feature_cache to another folder")
     path = os.path.join(out_dir, FEATURES)
     try:
         features = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -130,15 +172,16 @@ def open_feature_cache(out_dir: str, expected: dict | None = None) -> FeatureCac
 
 
 def gather(cache: FeatureCache, token_index: np.ndarray, present_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(ctx_features float32 [B, S, m*d], target_last_hidden float32 [B, S, d]) of a batch's slots
-    (token_index, present_mask [B, S]: `batch["token_index"]`, `batch["segment_ids"] > 0`); zeros
-    where not present."""
+    """(ctx_features [B, S, m*d], target_last_hidden [B, S, d]) of a batch's slots (token_index,
+    present_mask [B, S]: `batch["token_index"]`, `batch["segment_ids"] > 0`), as stored: bfloat16
+    (ml_dtypes) C-contiguous arrays, zeros where not present. The loss casts them to the compute
+    dtype on the device, so nothing is gained by widening them here."""
     present = np.asarray(present_mask, bool)
     index = np.where(present, np.asarray(token_index, np.int64), 0)
-    rows = cache.features[index.reshape(-1)]  # reads only these rows of the memory map
-    values = rows.view(ml_dtypes.bfloat16).astype(np.float32).reshape(index.shape + (rows.shape[-1],))
-    values[~present] = 0.0
-    return values[..., : cache.ctx_dim], values[..., cache.ctx_dim:]
+    rows = cache.features[index.reshape(-1)]  # a copy of only these rows of the memory map
+    rows[~present.reshape(-1)] = 0  # bfloat16 +0.0 is all zero bits
+    values = rows.view(ml_dtypes.bfloat16).reshape(index.shape + (rows.shape[-1],))
+    return np.ascontiguousarray(values[..., : cache.ctx_dim]), np.ascontiguousarray(values[..., cache.ctx_dim:])
 
 
 # ---------------------------------------------------------------------------- building
@@ -182,31 +225,86 @@ def _bf16_rows(ctx: jax.Array, last: jax.Array) -> jax.Array:
     return jnp.concatenate([ctx, last], axis=-1).astype(jnp.bfloat16)  # [rows, S, F]
 
 
+_DISK_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+def _reason(e: OSError) -> str:
+    return e.strerror or str(e)
+
+
+def _partial_name() -> str:
+    """This build's own partial file name: features.npy.partial.<host>.<pid>.<random>."""
+    return f"{_PARTIAL}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:12]}"
+
+
+def _process_alive(pid: int) -> bool:
+    if os.name != "posix":  # no signal-0 probe: assume it runs
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _remove_dead_partials(out_dir: str) -> None:
+    """Remove the partial files of builds on this host whose process is gone (a kill -9 leaves its
+    partial file behind); a live build's file, or another host's, is left alone."""
+    host = socket.gethostname()
+    for name in os.listdir(out_dir):
+        if not name.startswith(_PARTIAL + "."):
+            continue
+        owner = name[len(_PARTIAL) + 1:].rsplit(".", 2)  # host (may hold dots), pid, random
+        if len(owner) != 3 or owner[0] != host or not owner[1].isdigit():
+            continue
+        if not _process_alive(int(owner[1])):
+            try:
+                os.remove(os.path.join(out_dir, name))
+            except FileNotFoundError:  # removed by another build meanwhile
+                pass
+
+
+def _float_dtypes(tree) -> str:
+    return ",".join(sorted({str(a.dtype) for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.floating)}))
+
+
 def build_feature_cache(target_params, target_cfg, tap_layers: Sequence[int], source: pipeline.ShardSource,
                         seq_len: int, out_dir: str, rows: int = 8, progress: bool = True, *,
                         target_name: str | None = None, batch_sharding=None) -> FeatureCache:
     """Compute and store the features of every token of `source` (see the module docstring).
 
-    The target runs as given (its params and `target_cfg.dtype` set the compute dtype; the trainer
-    passes the run's compute dtype, as in the online path); values are stored as bfloat16.
+    The target runs exactly as given: `target_params` in their dtype, activations in
+    `target_cfg.dtype`. To get the online path's features, pass what it uses:
+    `trainer.target_feature_inputs(params, cfg, compute_dtype)` (the params cast to the run's
+    compute dtype, the target's own config), as the trainer does. Values are stored as bfloat16.
     `target_name` defaults to the data's target; `batch_sharding` places each [rows, seq_len] batch
-    (default: jit's choice). Returns the opened cache."""
+    (default: jit's choice). Errors writing `out_dir` (a file there, no permission, a full disk)
+    are one-line UserErrors. Returns the opened cache."""
     tap_layers = tuple(int(t) for t in tap_layers)
     d = target_cfg.hidden_size
     F = (len(tap_layers) + 1) * d
     num_tokens = len(source.tokens)
-    os.makedirs(out_dir, exist_ok=True)
-    meta_path, partial, final = (os.path.join(out_dir, n) for n in (META, _PARTIAL, FEATURES))
-    for stale in (meta_path, final, partial):  # cache.json first: from here on the folder is incomplete
-        if os.path.exists(stale):
-            os.remove(stale)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"the feature cache {out_dir} is a file, not a folder: point data.feature_cache elsewhere")
+    spec = cache_spec(target_name or source.target_name, target_cfg, tap_layers, data_fingerprint(source), seq_len)
+    meta_path, final = os.path.join(out_dir, META), os.path.join(out_dir, FEATURES)
+    partial = os.path.join(out_dir, _partial_name())
     size = num_tokens * F * 2
-    free = shutil.disk_usage(out_dir).free
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        for stale in (meta_path, final):  # cache.json first: from here on the folder is incomplete
+            if os.path.exists(stale):
+                os.remove(stale)
+        _remove_dead_partials(out_dir)
+        free = shutil.disk_usage(out_dir).free
+    except OSError as e:
+        raise UserError(f"cannot write the feature cache in {out_dir}: {_reason(e)}; point data.feature_cache "
+                        f"elsewhere") from None
     if free < size:
         raise UserError(f"the feature cache needs {size / 2**30:.1f} GiB ({2 * F} bytes x {num_tokens} tokens), "
                         f"{out_dir} has {free / 2**30:.1f} GiB free: point data.feature_cache elsewhere")
-
-    spec = cache_spec(target_name or source.target_name, target_cfg, tap_layers, data_fingerprint(source), seq_len)
     lengths = np.minimum(source.lengths(), seq_len)
 
     bar = tqdm(total=int(lengths.sum()), disable=not progress, desc="feature cache", unit="tok", unit_scale=True)
@@ -236,14 +334,25 @@ def build_feature_cache(target_params, target_cfg, tap_layers: Sequence[int], so
                 bar.update(int(lengths[pending[0]: pending[1]].sum()))
             f.flush()
             os.fsync(f.fileno())
-    except BaseException:
-        if os.path.exists(partial):
-            os.remove(partial)
+        os.replace(partial, final)
+    except BaseException as e:
+        try:
+            os.remove(partial)  # this build's own file only
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            hint = " (it needs {:.1f} GiB)".format(size / 2**30) if e.errno in _DISK_FULL else ""
+            raise UserError(f"writing the feature cache in {out_dir} failed: {_reason(e)}{hint}; free space or "
+                            f"point data.feature_cache elsewhere") from None
         raise
     finally:
         bar.close()
-    os.replace(partial, final)
     meta = dict(format=FORMAT, **spec, d=d, F=F, num_tokens=num_tokens, dtype="bfloat16",
-                compute_dtype=str(target_cfg.dtype), created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-    write_json_atomic(meta_path, meta)
+                compute_dtype=_float_dtypes(target_params), activation_dtype=str(target_cfg.dtype),
+                created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    try:
+        write_json_atomic(meta_path, meta)
+    except OSError as e:
+        raise UserError(f"writing {meta_path} failed: {_reason(e)}; free space or point data.feature_cache "
+                        f"elsewhere") from None
     return open_feature_cache(out_dir, spec)

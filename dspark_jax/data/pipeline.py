@@ -36,9 +36,10 @@ Batch format (numpy; B = batch_size rows, S = seq_len slots, NB = max_blocks):
     loss_mask    bool  [B, S]   True on response tokens
     block_start  int32 [B, NB]  slot of each block's anchor token in the row (0 where invalid)
     block_valid  bool  [B, NB]
-    token_index  int32 [B, S]   index of the token in ShardSource.tokens (0 for padding): where its
+    token_index  int64 [B, S]   index of the token in ShardSource.tokens (0 for padding): where its
                                 cached target features live (`dspark_jax.data.feature_cache`); host
-                                only, the trainer drops it before the batch goes to the device
+                                only (int64: no limit on the data size), the trainer drops it before
+                                the batch goes to the device
 Block j of row b: slot k (0 <= k < gamma) of the block sits at position positions[b, s] + k with
 s = block_start[b, j], and its label is tokens[b, s + k + 1]. That label is valid iff
 s + k + 1 < S and segment_ids[b, s + k + 1] == segment_ids[b, s] (see `block_labels`); invalid
@@ -79,7 +80,8 @@ class ShardSource:
     Element i: {"tokens": int32 [n] (prompt + response ids), "prompt_len": int, "index": i,
     "offset": where the example starts in `tokens`, the concatenation of all examples}.
     Only the shards listed in each manifest are read (an unfinished datagen run is usable);
-    `shard_entries` keeps, per folder, the manifest entries of the shards that were read.
+    `shard_entries` keeps, per folder, the manifest entries of the shards that were read, and
+    `folder_examples` the [first, end) example range of each folder.
     All folders must come from the same target. Everything is held in memory (int32 tokens).
     """
 
@@ -90,8 +92,9 @@ class ShardSource:
         tokens, offsets, prompt_lens, ids = [], [np.zeros(1, np.int64)], [], []
         target = None
         total = 0
-        self.shard_entries = []
+        self.shard_entries, self.folder_examples = [], []
         for folder in folders:
+            first = len(ids)
             manifest = read_manifest(folder)
             self.shard_entries.append(list(manifest["shards"]))
             key = (manifest["target"], tuple(sorted(manifest["target_shape"].items())))
@@ -106,6 +109,7 @@ class ShardSource:
                 prompt_lens.append(data["prompt_lens"].astype(np.int32))
                 ids.extend(str(i) for i in data["example_ids"])
                 total += len(data["tokens"])
+            self.folder_examples.append((first, len(ids)))
         self.target_name = target[0]
         self.tokens = np.concatenate(tokens) if tokens else np.zeros(0, np.int32)
         self.offsets = np.concatenate(offsets)
@@ -113,8 +117,6 @@ class ShardSource:
         self.example_ids = ids
         if not len(self.prompt_lens):
             raise UserError(f"no finished data shards in {', '.join(map(str, folders))}")
-        if total >= 2**31:  # token indices are int32 in the batches
-            raise UserError(f"{total} tokens in {', '.join(map(str, folders))}: at most 2**31 - 1 per training run")
 
     def __len__(self) -> int:
         return len(self.prompt_lens)
@@ -197,7 +199,7 @@ def make_unit(example: dict, anchors: np.ndarray, cfg: PackingConfig) -> dict:
     return {"tokens": np.asarray(tokens[:end], np.int32),
             "loss_mask": np.arange(end) >= prompt_len,
             "anchors": anchors.astype(np.int32),
-            "token_index": (example["offset"] + np.arange(end)).astype(np.int32)}
+            "token_index": example["offset"] + np.arange(end, dtype=np.int64)}
 
 
 class _SampleAnchors(grain.experimental.MapWithIndexTransform):
@@ -230,7 +232,7 @@ def finish_batch(rows: dict, cfg: PackingConfig) -> dict:
                segment_ids=seg.astype(np.int32),
                loss_mask=rows["loss_mask"].astype(bool) & tokens_present,
                block_start=block_start, block_valid=block_valid,
-               token_index=np.where(tokens_present, rows["token_index"], 0).astype(np.int32))
+               token_index=np.where(tokens_present, rows["token_index"], 0).astype(np.int64))
     missing = cfg.batch_size - out["tokens"].shape[0]
     if missing > 0:  # the last batch of a finite run: pad with empty rows (fixed shapes)
         out = {k: np.concatenate([v, np.zeros((missing,) + v.shape[1:], v.dtype)]) for k, v in out.items()}

@@ -33,7 +33,8 @@ class DataConfig:
     anchors_per_seq: int = 16
     seed: int = 0
     # A folder for the target's features of train_dir (dspark_jax/data/feature_cache.py): built on
-    # the first run, then training reads them instead of running the target. None = online.
+    # the first run, then training reads them instead of running the target. None = online (as are
+    # null, false, no, off and none, e.g. data.feature_cache=false on the command line).
     feature_cache: str | None = None
 
 
@@ -109,7 +110,14 @@ def _coerce(section: str, cls, values: dict) -> Any:
     out = {}
     for k, v in values.items():
         default = getattr(cls(), k)
+        if fields[k].type == "str | None" and (v is False or (isinstance(v, str) and v.lower() == "none")):
+            v = None  # an optional setting switched off: data.feature_cache=false (YAML also: no, off)
         if fields[k].type in ("str", "str | None") and v is not None:
+            if isinstance(v, bool):  # YAML reads true/false/yes/no/on/off as booleans
+                raise UserError(f"{section}.{k} must be a string, got {str(v).lower()}"
+                                + (" (false, null or none switch it off)" if fields[k].type == "str | None" else ""))
+            if isinstance(v, (dict, list)):
+                raise UserError(f"{section}.{k} must be a string, got {v!r}")
             v = str(v)  # a path like 2024 parses as a number
         elif isinstance(default, tuple):
             v = tuple(v)

@@ -4,8 +4,10 @@ State (step, fp32 master params, optimizer state) is one pytree. A step takes `g
 micro-batches (a `lax.scan`, one optimizer update), computes in `compute_dtype` (bf16 by default)
 and never differentiates the frozen target: its params enter the step as a separate argument and
 only the drafter params are differentiated. With `data.feature_cache` set, the target's features
-come from the on-disk cache (`dspark_jax.data.feature_cache`, built at startup if missing), gathered
-on the host into each train batch, and the step never runs the target; evaluation stays online.
+come from the on-disk cache (`dspark_jax.data.feature_cache`, built at startup if missing from the
+data this run loads, by the target as `target_feature_inputs` sets it up for the online path too),
+gathered on the host into each train batch (bf16), and the step never runs the target; evaluation
+stays online.
 
 Checkpoints are orbax CheckpointManager saves of {state, grain iterator state, config}; orbax
 finalises a step by renaming a temporary folder, so a kill at any moment leaves only complete
@@ -78,6 +80,14 @@ def drafter_functions(dcfg: DrafterConfig):
     return dspark.init_drafter_params, loss_fn
 
 
+def target_feature_inputs(target_params, tcfg: ModelConfig, compute_dtype) -> tuple[dict, ModelConfig]:
+    """(params, config) the frozen target computes the drafter's input features with: its params
+    cast to the run's compute dtype, its own config (activations in `tcfg.dtype`). The one place
+    that decides it, for the online path (`make_loss`) and the feature cache build alike, so that
+    cached features are the online ones (up to bf16 storage)."""
+    return _cast(jax.lax.stop_gradient(target_params), jnp.dtype(compute_dtype)), tcfg
+
+
 def with_target_features(target_params, tcfg: ModelConfig, dcfg: DrafterConfig, batch: dict) -> dict:
     """Online path: run the frozen target on the packed rows unless the batch carries cached features."""
     if "ctx_features" in batch:
@@ -98,8 +108,8 @@ def make_loss(cfg: TrainConfig, dcfg: DrafterConfig, tcfg: ModelConfig) -> Calla
     compute = jnp.dtype(cfg.run.compute_dtype)
 
     def loss(params, target_params, batch):
-        target_params = _cast(jax.lax.stop_gradient(target_params), compute)
-        batch = with_target_features(target_params, tcfg, dcfg, batch)
+        target_params, feature_cfg = target_feature_inputs(target_params, tcfg, compute)
+        batch = with_target_features(target_params, feature_cfg, dcfg, batch)
         return loss_fn(_cast(params, compute), target_params, tcfg.replace(dtype=str(compute)),
                        _cast(batch, compute), cfg.loss)
 
@@ -146,7 +156,17 @@ def drafter_logical_axes(params: dict) -> dict:
     return jax.tree_util.tree_map_with_path(axes, params)
 
 
-def _packed_batches(cfg: TrainConfig, dcfg: DrafterConfig, folder: str, rows: int, epochs: int | None):
+def load_data(folder: str):
+    """The ShardSource of a datagen folder (a UserError if there is none)."""
+    from dspark_jax.data.pipeline import ShardSource
+
+    if not os.path.isdir(folder):
+        raise UserError(f"no data at {folder}: generate it with python -m dspark_jax.datagen")
+    return ShardSource(folder)
+
+
+def _packed_batches(cfg: TrainConfig, dcfg: DrafterConfig, data, rows: int, epochs: int | None):
+    """Packed batches of `data` (a folder or a loaded ShardSource)."""
     from dspark_jax.data.pipeline import PackingConfig, make_dataset
 
     if rows % jax.process_count():
@@ -154,22 +174,25 @@ def _packed_batches(cfg: TrainConfig, dcfg: DrafterConfig, folder: str, rows: in
     packing = PackingConfig(batch_size=rows // jax.process_count(), seq_len=cfg.data.seq_len,
                             max_blocks=cfg.data.blocks_per_row, block_size=dcfg.block_size,
                             anchors_per_seq=cfg.data.anchors_per_seq, seed=cfg.data.seed, num_epochs=epochs)
-    if not os.path.isdir(folder):
-        raise UserError(f"no data at {folder}: generate it with python -m dspark_jax.datagen")
-    return iter(make_dataset(folder, packing))
+    return iter(make_dataset(load_data(data) if isinstance(data, (str, os.PathLike)) else data, packing))
 
 
-def make_train_iterator(cfg: TrainConfig, dcfg: DrafterConfig):
-    """This process's checkpointable grain iterator of packed batches (grad_accum micro-batches each)."""
-    return _packed_batches(cfg, dcfg, cfg.data.train_dir, cfg.data.rows * cfg.optim.grad_accum, None)
+def make_train_iterator(cfg: TrainConfig, dcfg: DrafterConfig, source=None):
+    """This process's checkpointable grain iterator of packed batches (grad_accum micro-batches each)
+    of `source` (a ShardSource; default: data.train_dir loaded now)."""
+    return _packed_batches(cfg, dcfg, cfg.data.train_dir if source is None else source,
+                           cfg.data.rows * cfg.optim.grad_accum, None)
 
 
 class Trainer:
     """Owns the mesh, shardings, jitted step and checkpoint manager of one run."""
 
     def __init__(self, cfg: TrainConfig, target,
-                 data_factory: Callable[[TrainConfig, DrafterConfig], Iterator] = make_train_iterator,
+                 data_factory: Callable[[TrainConfig, DrafterConfig, Any], Iterator] = make_train_iterator,
                  progress: bool = True):
+        """`data_factory(cfg, dcfg, source)` makes the train iterator from `source`, the ShardSource
+        of data.train_dir loaded once here (the feature cache is built from and checked against
+        that same source, so the batches' token_index and the cache always agree)."""
         import orbax.checkpoint as ocp
 
         self.cfg, self.target = cfg, target
@@ -195,7 +218,8 @@ class Trainer:
         step = make_train_step(cfg, self.dcfg, target.config, self.optimizer)
         self.train_step = jax.jit(step, in_shardings=(self.state_shardings, self.target_shardings, self.batch_sharding),
                                   out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
-        self.data = data_factory(cfg, self.dcfg)
+        self.train_source = load_data(cfg.data.train_dir)
+        self.data = data_factory(cfg, self.dcfg, self.train_source)
         self.eval_step = jax.jit(make_loss(cfg, self.dcfg, target.config), out_shardings=replicated)
         self.eval_sharding = NamedSharding(self.mesh, sharding.logical_spec(self.mesh, ("batch",), (cfg.data.rows,)))
         self.feature_cache = self._feature_cache(progress) if cfg.data.feature_cache else None
@@ -236,22 +260,22 @@ class Trainer:
     def _feature_cache(self, progress: bool):
         """Open data.feature_cache, checked against this run; build it first if it is not complete."""
         from dspark_jax.data import feature_cache
-        from dspark_jax.data.pipeline import ShardSource
 
         cfg, path = self.cfg, self.cfg.data.feature_cache
         expected = feature_cache.cache_spec(self.target.name, self.target.config, self.dcfg.tap_layers,
-                                            feature_cache.data_fingerprint(cfg.data.train_dir), cfg.data.seq_len)
+                                            feature_cache.data_fingerprint(self.train_source), cfg.data.seq_len)
         if not feature_cache.is_complete(path):
             if jax.process_count() > 1:
                 raise UserError(f"no complete feature cache in {path}: build it with a single-process run "
                                 f"(it is one file for all processes), or train without data.feature_cache")
             print(f"building the feature cache of {cfg.data.train_dir} in {path} (once; later runs reuse it)",
                   file=sys.stderr, flush=True)
-            compute = jnp.dtype(cfg.run.compute_dtype)  # the dtype the online path would compute in
+            # exactly what the online path runs the target with (make_loss)
+            params, feature_cfg = target_feature_inputs(self.target_params, self.target.config, cfg.run.compute_dtype)
             feature_cache.build_feature_cache(
-                _cast(self.target_params, compute), self.target.config.replace(dtype=str(compute)),
-                self.dcfg.tap_layers, ShardSource(cfg.data.train_dir), cfg.data.seq_len, path, rows=cfg.data.rows,
-                progress=progress, target_name=self.target.name, batch_sharding=self.eval_sharding)
+                params, feature_cfg, self.dcfg.tap_layers, self.train_source, cfg.data.seq_len, path,
+                rows=cfg.data.rows, progress=progress, target_name=self.target.name,
+                batch_sharding=self.eval_sharding)
         return feature_cache.open_feature_cache(path, expected)
 
     def host_batch(self, batch: dict) -> dict:
