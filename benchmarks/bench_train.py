@@ -14,8 +14,9 @@ With --feature-cache DIR (a cache of the same --data: `data.feature_cache`, buil
 process first when DIR holds no complete cache) each config's process trains two states from the
 same initialisation on the same batches, and on every step times both: online (the step runs the
 target) and cached (the host gathers the batch's features from DIR, `Trainer.host_batch`, and the
-step skips the target; the gather and the larger transfer count in the cached time), alternating
-which goes first. The machine is noisy, so the ratio is only meaningful from one such paired run.
+step skips the target; the gather and the larger transfer count in the cached time: like the
+training loop, nothing overlaps them with the device's work), alternating which goes first. The
+machine is noisy, so the ratio is only meaningful from one such paired run.
 """
 
 from __future__ import annotations
@@ -61,7 +62,11 @@ def time_steps(trainer, steps: int, cached: bool) -> dict:
     import numpy as np
 
     from dspark_jax.data.pipeline import target_features
+    from dspark_jax.training.trainer import target_feature_inputs
 
+    # the target as the online step runs it (params in the compute dtype)
+    feature_params, feature_cfg = target_feature_inputs(trainer.target_params, trainer.target.config,
+                                                        trainer.cfg.run.compute_dtype)
     states = {"online": trainer.init_state()}
     if cached:
         states["cached"] = trainer.init_state()
@@ -87,8 +92,7 @@ def time_steps(trainer, steps: int, cached: bool) -> dict:
                 if variant == "cached":
                     gather_times.append(gather)
         t = time.perf_counter()  # every step, so that its compilation too falls in steps 0 and 1
-        jax.block_until_ready(target_features(trainer.target_params, trainer.target.config, online,
-                                              trainer.dcfg.tap_layers))
+        jax.block_until_ready(target_features(feature_params, feature_cfg, online, trainer.dcfg.tap_layers))
         if step >= 2:
             feature_times.append(time.perf_counter() - t)
             blocks += int(np.asarray(batch["block_valid"]).sum())
@@ -141,7 +145,7 @@ def markdown(rows: list[dict], cached: bool) -> str:
         cells += [f"{r['blocks_per_s']:.1f}", f"{r['packed_tokens_per_s']:.0f}", f"{r['target_feature_share']:.0%}",
                   f"{r['peak_rss_gb']:.1f}"]
         md.append("| " + " | ".join(cells) + " |")
-    md.append("\nOnline target features (`data.features: online`): the frozen SmolLM2-135M runs inside every "
+    md.append("\nOnline target features (the default, no `data.feature_cache`): the frozen SmolLM2-135M runs inside every "
               "step over the packed rows. 'target-feature share' is the time of that pass alone divided by the "
               "whole step. A step is timed from the host batch to the finished update; compilation (first two "
               "steps) excluded.\n")
