@@ -191,3 +191,35 @@ def test_packed_rows_equal_each_sequence_alone():
         np.testing.assert_array_equal(np.asarray(packed["position_mask"])[:, :, sl], np.asarray(alone["position_mask"]))
         np.testing.assert_allclose(np.asarray(packed["draft_logits"])[:, :, sl][mask],
                                    np.asarray(alone["draft_logits"])[mask], atol=2e-5)
+
+
+def test_loss_at_slots_is_the_full_loss_restricted_to_them():
+    """Supervising only some positions (a gather before both LM heads) gives the full forward's
+    logits and masks at those positions, and the same loss as masking every other position out."""
+    dcfg, params, target_cfg, target_params, inputs, _ = fixture()
+    B, S = inputs["input_ids"].shape
+    rng = np.random.default_rng(0)
+    slots = np.sort(np.stack([rng.choice(S, 5, replace=False) for _ in range(B)]), axis=1).astype(np.int32)
+    valid = np.ones_like(slots, bool)
+    valid[0, -1] = False
+    kw = dict(params=params, dcfg=dcfg, target_params=target_params, target_cfg=target_cfg,
+              input_ids=jnp.asarray(inputs["input_ids"]), ctx_features=jnp.asarray(inputs["taps"]),
+              target_last_hidden=jnp.asarray(inputs["target_last_hidden_states"]), steps=STEPS)
+    full = train_forward(loss_mask=jnp.asarray(inputs["loss_mask"]), **kw)
+    picked = train_forward(loss_mask=jnp.asarray(inputs["loss_mask"]), loss_slots=jnp.asarray(slots),
+                           loss_slots_valid=jnp.asarray(valid), **kw)
+    rows = np.arange(B)[:, None]
+    np.testing.assert_allclose(np.asarray(picked["draft_logits"]),
+                               np.asarray(full["draft_logits"])[:, rows, slots], atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(picked["position_mask"]),
+                                  np.asarray(full["position_mask"])[:, rows, slots] * valid)
+    keep = np.zeros((B, S), np.float32)
+    keep[rows, np.where(valid, slots, 0)] = valid  # the same positions, by masking instead of gathering
+    restricted = [train_forward(loss_mask=jnp.asarray(inputs["loss_mask"] * np.roll(keep, i, axis=1)), **kw)
+                  for i in range(STEPS)]
+    for i in range(STEPS):  # pass i reads loss_mask at t+i, so the mask is moved along with it
+        np.testing.assert_allclose(float(picked["loss"][i]) * slots.size,
+                                   float(restricted[i]["loss"][i]) * B * S, rtol=2e-5)
+    every = np.broadcast_to(np.arange(S, dtype=np.int32), (B, S))
+    whole = train_forward(loss_mask=jnp.asarray(inputs["loss_mask"]), loss_slots=jnp.asarray(every), **kw)
+    np.testing.assert_allclose(float(whole["total_loss"]), float(full["total_loss"]), rtol=2e-5)

@@ -125,6 +125,8 @@ def test_config_files_load_and_overrides(tmp_path):
 
 @pytest.mark.parametrize("drafter", [
     dict(kind="eagle3", num_layers=1, head="none", markov_rank=0, confidence=False, ttt_steps=3, target_layer_ids=(0, 2)),
+    dict(kind="eagle3", num_layers=1, head="none", markov_rank=0, confidence=False, ttt_steps=3, target_layer_ids=(0, 2),
+         ttt_at_anchors=True),
     dict(kind="dspark", num_layers=1, block_size=4, head="none", markov_rank=0, confidence=False, mask_token_id=0,
          target_layer_ids=(0, 2)),
 ])

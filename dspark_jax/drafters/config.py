@@ -41,6 +41,10 @@ class DrafterConfig:
     # Eagle3
     ttt_steps: int = 7  # training-time-test unroll length
     ttt_decay: float = 0.8  # step loss weights decay**i
+    # Supervise the TTT passes only at the training pipeline's anchors (the chain from anchor p
+    # predicts the same gamma tokens as a DSpark block at p) instead of at every position: the same
+    # supervised predictions per step as the block drafters, and ~1/(anchor density) the LM-head cost.
+    ttt_at_anchors: bool = False
     # The target this drafter belongs to (checked at load time).
     target_name: str = ""
     target_vocab_size: int = 0

@@ -22,7 +22,8 @@ position_mask_i = position_mask_0 shifted left by i, where position_mask_0 = los
 row's last token masked (it has no next-token target); the reference also blanks pass i's
 attention at a row's last i positions, which nothing supervised depends on. Each pass's loss is the soft cross-entropy
 summed over the masked positions and divided by B*S (the reference's "local mean"); the total is
-sum_i decay**i * loss_i.
+sum_i decay**i * loss_i. With `loss_slots` (DrafterConfig.ttt_at_anchors in training) the passes
+still run over whole rows but the loss, and both LM heads, only at the given positions.
 
 Inference (chain drafting). The cache holds the layer's K/V for every committed position whose pair
 (g_t, x_{t+1}) is known EXCEPT the newest one: with committed tokens x_0..x_n where the target has
@@ -149,6 +150,8 @@ def eagle3_train_forward(
     lengths: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
+    loss_slots: jax.Array | None = None,
+    loss_slots_valid: jax.Array | None = None,
 ) -> dict:
     """The TTT forward over whole sequences (layout and loss in the module docstring).
 
@@ -158,8 +161,11 @@ def eagle3_train_forward(
     row when rows are right-padded (default S). For PACKED rows (the training pipeline's format)
     pass segment_ids and positions [B, S]: attention stays inside a segment, RoPE restarts per
     sequence, and a pass never predicts across a segment boundary.
-    Returns {"draft_logits": [steps, B, S, V], "position_mask": [steps, B, S], "loss": [steps],
-    "total_loss": scalar}. Under jit, outputs the caller drops cost nothing.
+    loss_slots, loss_slots_valid: [B, P] to supervise only those positions t (every pass still runs
+    over the whole row, so attention is unchanged); the LM heads, drafter's and target's, then run
+    on B*P*steps rather than B*S*steps positions, and each pass's loss is divided by B*P.
+    Returns {"draft_logits": [steps, B, N, V], "position_mask": [steps, B, N], "loss": [steps],
+    "total_loss": scalar}, N = S (or P with loss_slots). Under jit, outputs the caller drops cost nothing.
     """
     steps = dcfg.ttt_steps if steps is None else steps
     B, S = input_ids.shape
@@ -167,9 +173,32 @@ def eagle3_train_forward(
     lengths = jnp.full((B,), S, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
     # A row's last token has no next token, so pass 0 has nothing to predict there.
     position_mask = jnp.where(jnp.arange(S)[None] == lengths[:, None] - 1, 0.0, loss_mask.astype(jnp.float32))
-    # Pass 0 at position t learns the target's distribution at t+1 (past the end: uniform, masked).
-    target_logp = jax.nn.log_softmax(decoder.logits(target_params, target_cfg, target_last_hidden), axis=-1)
-    target_probs = jax.lax.stop_gradient(jnp.exp(_shift_left(target_logp, 1, -np.log(V))))
+    # Pass i at position t learns the target's distribution at t+1+i (past the end: uniform, masked).
+    if loss_slots is None:
+        target_logp = jax.nn.log_softmax(decoder.logits(target_params, target_cfg, target_last_hidden), axis=-1)
+        target_probs = jax.lax.stop_gradient(jnp.exp(_shift_left(target_logp, 1, -np.log(V))))
+
+        valid = 1.0
+
+        def pick(x):
+            return x
+
+        def target_probs_of_pass(i):
+            return _shift_left(target_probs, i, 1.0 / V)
+    else:
+        rows = jnp.arange(B)[:, None]
+        valid = jnp.ones(loss_slots.shape, bool) if loss_slots_valid is None else loss_slots_valid
+
+        def pick(x):  # [B, S, ...] -> [B, P, ...] at the supervised slots
+            return x[rows, loss_slots]
+
+        # Only the slots a pass reads (clipped past the row: masked there anyway).
+        read = jnp.minimum(loss_slots[:, :, None] + 1 + jnp.arange(steps), S - 1)  # [B, P, steps]
+        target_logp = jax.nn.log_softmax(decoder.logits(target_params, target_cfg, target_last_hidden[rows[..., None], read]), axis=-1)
+        target_probs = jax.lax.stop_gradient(jnp.exp(target_logp))
+
+        def target_probs_of_pass(i):
+            return target_probs[:, :, i]
     causal = jnp.tril(jnp.ones((S, S), bool))[None]
     base_positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)) if positions is None else positions
     if segment_ids is not None:
@@ -201,12 +230,13 @@ def eagle3_train_forward(
             ctx = (k, v)
         else:
             chain = tuple(jnp.concatenate([c, new[:, :, :, None]], axis=3) for c, new in zip(chain, (k, v)))
-        logits = _draft_logits(params, dcfg, target_params, target_cfg, g)
+        logits = _draft_logits(params, dcfg, target_params, target_cfg, pick(g))
         mask = _shift_left(position_mask, i, 0.0)
         if segment_ids is not None:  # pass i at t predicts t+1+i: it must be the same sequence
             mask = mask * (_shift_left(segment_ids, 1 + i, -1) == segment_ids)
-        ce = -jnp.sum(_shift_left(target_probs, i, 1.0 / V) * jax.nn.log_softmax(logits, axis=-1), axis=-1)
-        loss = jnp.sum(ce * mask) / (B * S)  # the reference's normaliser: all B*S slots, masked or not
+        mask = pick(mask) * valid
+        ce = -jnp.sum(target_probs_of_pass(i) * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+        loss = jnp.sum(ce * mask) / mask.size  # the reference's normaliser: all B*S slots, masked or not
         total = total + dcfg.ttt_decay ** i * loss
         tokens = _shift_left(tokens, 1, 0)
         outs["draft_logits"].append(logits)

@@ -62,10 +62,14 @@ def drafter_functions(dcfg: DrafterConfig):
         from dspark_jax.drafters import eagle3
 
         def loss_fn(params, target_params, tcfg, batch, weights):
+            slots = {}
+            if dcfg.ttt_at_anchors:  # the chain at t = p - 1 predicts tokens p+1..p+gamma, as a block at anchor p
+                start = batch["block_start"]
+                slots = dict(loss_slots=jnp.maximum(start - 1, 0), loss_slots_valid=batch["block_valid"] & (start >= 1))
             out = eagle3.eagle3_train_forward(
                 params, dcfg, target_params, tcfg, batch["tokens"], batch["loss_mask"], batch["ctx_features"],
                 batch["target_last_hidden"], dcfg.ttt_steps, segment_ids=batch["segment_ids"],
-                positions=batch["positions"])
+                positions=batch["positions"], **slots)
             return out["total_loss"], {"loss": out["total_loss"], "loss_per_step": out["loss"]}
 
         return eagle3.init_eagle3_params, loss_fn
