@@ -219,7 +219,8 @@ spec_verify = jax.jit(verify_and_commit, static_argnames=_STATIC + ("bucket",), 
 
 @dataclasses.dataclass
 class SpecResult(GenerationResult):
-    rounds: list[dict] = dataclasses.field(default_factory=list)  # per round, per row: RoundStats as numpy
+    # Per round: RoundStats as numpy, per row; speculative_generate adds the round's wall time "seconds".
+    rounds: list[dict] = dataclasses.field(default_factory=list)
 
     def acceptance_lengths(self) -> np.ndarray:
         """tau (accepted + bonus) of every (round, active row)."""
@@ -280,8 +281,10 @@ def speculative_generate(
     generated = int(np.sum(np.asarray(state.num_generated)))
     bar.update(generated)
     while not bool(jnp.all(state.done)):
+        start = time.perf_counter()
         state, stats = run_round(target_params, dparams, state, temps)
         rounds.append({k: np.asarray(v) for k, v in dataclasses.asdict(stats).items()})
+        rounds[-1]["seconds"] = time.perf_counter() - start  # reading the stats waited for the round
         now = int(np.sum(np.asarray(state.num_generated)))
         bar.update(now - generated)
         generated = now
