@@ -220,6 +220,18 @@ def test_loss_at_slots_is_the_full_loss_restricted_to_them():
     for i in range(STEPS):  # pass i reads loss_mask at t+i, so the mask is moved along with it
         np.testing.assert_allclose(float(picked["loss"][i]) * slots.size,
                                    float(restricted[i]["loss"][i]) * B * S, rtol=2e-5)
+    # acceptance: sum_v min(q, p) with p the target's distribution at t+1+i, where pass i is supervised
+    from dspark_jax.models import decoder
+    p = np.asarray(jax.nn.softmax(decoder.logits(target_params, target_cfg,
+                                                 jnp.asarray(inputs["target_last_hidden_states"])), axis=-1))
+    q = np.asarray(jax.nn.softmax(full["draft_logits"], axis=-1))
+    for i in range(STEPS):
+        b, t = np.nonzero(np.asarray(full["position_mask"][i]))
+        want = np.minimum(q[i, b, t], p[b, t + 1 + i]).sum(-1)
+        np.testing.assert_allclose(np.asarray(full["acceptance"][i])[b, t], want, atol=1e-5)
+    supervised = np.asarray(picked["position_mask"]) > 0  # elsewhere p is a placeholder
+    np.testing.assert_allclose(np.asarray(picked["acceptance"])[supervised],
+                               np.asarray(full["acceptance"])[:, rows, slots][supervised], atol=1e-5)
     every = np.broadcast_to(np.arange(S, dtype=np.int32), (B, S))
     whole = train_forward(loss_mask=jnp.asarray(inputs["loss_mask"]), loss_slots=jnp.asarray(every), **kw)
     np.testing.assert_allclose(float(whole["total_loss"]), float(full["total_loss"]), rtol=2e-5)

@@ -140,3 +140,5 @@ def test_eagle3_and_dflash_train(tmp_path, drafter):
     log = [json.loads(l) for l in open(os.path.join(cfg.run.out_dir, "metrics.jsonl"))]
     assert all(np.isfinite(r["loss"]) for r in log)
     assert np.mean([r["loss"] for r in log[-3:]]) < np.mean([r["loss"] for r in log[:3]])
+    gamma = drafter["ttt_steps"] if drafter["kind"] == "eagle3" else drafter["block_size"]
+    assert all(len(r["acceptance_per_position"]) == gamma and 1.0 <= r["expected_tau"] <= 1.0 + gamma for r in log)

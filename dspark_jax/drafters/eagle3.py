@@ -165,6 +165,7 @@ def eagle3_train_forward(
     over the whole row, so attention is unchanged); the LM heads, drafter's and target's, then run
     on B*P*steps rather than B*S*steps positions, and each pass's loss is divided by B*P.
     Returns {"draft_logits": [steps, B, N, V], "position_mask": [steps, B, N], "loss": [steps],
+    "acceptance": [steps, B, N] (sum_v min(q, p), the chance pass i's draft survives verification),
     "total_loss": scalar}, N = S (or P with loss_slots). Under jit, outputs the caller drops cost nothing.
     """
     steps = dcfg.ttt_steps if steps is None else steps
@@ -220,7 +221,7 @@ def eagle3_train_forward(
     tokens = _shift_left(jnp.asarray(input_ids, jnp.int32), 1, 0)
     chain_shape = (dcfg.num_layers, B, S, 0, dcfg.num_kv_heads, dcfg.head_dim)  # [L, B, S, J, Hkv, D]
     ctx, chain = (None, None), (jnp.zeros(chain_shape, g.dtype), jnp.zeros(chain_shape, g.dtype))
-    outs = {"draft_logits": [], "position_mask": [], "loss": []}
+    outs = {"draft_logits": [], "position_mask": [], "loss": [], "acceptance": []}
     total = jnp.float32(0.0)
     for i in range(steps):
         positions = base_positions + i
@@ -235,13 +236,15 @@ def eagle3_train_forward(
         if segment_ids is not None:  # pass i at t predicts t+1+i: it must be the same sequence
             mask = mask * (_shift_left(segment_ids, 1 + i, -1) == segment_ids)
         mask = pick(mask) * valid
-        ce = -jnp.sum(target_probs_of_pass(i) * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+        log_q, p = jax.nn.log_softmax(logits, axis=-1), target_probs_of_pass(i)
+        ce = -jnp.sum(p * log_q, axis=-1)
         loss = jnp.sum(ce * mask) / mask.size  # the reference's normaliser: all B*S slots, masked or not
         total = total + dcfg.ttt_decay ** i * loss
         tokens = _shift_left(tokens, 1, 0)
         outs["draft_logits"].append(logits)
         outs["position_mask"].append(mask)
         outs["loss"].append(loss)
+        outs["acceptance"].append(jax.lax.stop_gradient(jnp.sum(jnp.minimum(jnp.exp(log_q), p), axis=-1)))
     out = {name: jnp.stack(values) for name, values in outs.items()}
     out["total_loss"] = total
     return out

@@ -70,13 +70,18 @@ def dspark_loss(outputs: dict, weights: LossWeights) -> tuple[jax.Array, dict]:
         metrics["loss_conf"] = conf_loss
     count = jnp.maximum(jnp.sum(mask, axis=tuple(range(mask.ndim - 1))), 1.0)
     correct = (jnp.argmax(q_log, axis=-1) == labels) * mask
-    metrics.update(
-        loss=loss,
-        accuracy_per_position=jnp.sum(correct, axis=tuple(range(mask.ndim - 1))) / count,
-        acceptance_per_position=jnp.sum(alpha * mask, axis=tuple(range(mask.ndim - 1))) / count,
-        expected_tau=_block_mean(expected_accept_length(alpha, mask > 0), mask),
-    )
+    metrics.update(loss=loss, accuracy_per_position=jnp.sum(correct, axis=tuple(range(mask.ndim - 1))) / count,
+                   **chain_acceptance_metrics(alpha, mask))
     return loss, metrics
+
+
+def chain_acceptance_metrics(alpha: jax.Array, mask: jax.Array) -> dict:
+    """alpha, mask [..., gamma] per drafted chain (a DSpark block, or an Eagle3 TTT chain): mean
+    acceptance per position over supervised slots, and the teacher-forced tau proxy per chain."""
+    mask = mask.astype(jnp.float32)
+    count = jnp.maximum(jnp.sum(mask, axis=tuple(range(mask.ndim - 1))), 1.0)
+    return {"acceptance_per_position": jnp.sum(alpha * mask, axis=tuple(range(mask.ndim - 1))) / count,
+            "expected_tau": _block_mean(expected_accept_length(alpha, mask > 0), mask)}
 
 
 def _block_mean(per_block: jax.Array, mask: jax.Array) -> jax.Array:

@@ -37,7 +37,7 @@ from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.errors import UserError
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.training.config import TrainConfig, config_to_dict
-from dspark_jax.training.losses import dspark_loss
+from dspark_jax.training.losses import chain_acceptance_metrics, dspark_loss
 
 
 @jax.tree_util.register_dataclass
@@ -70,7 +70,11 @@ def drafter_functions(dcfg: DrafterConfig):
                 params, dcfg, target_params, tcfg, batch["tokens"], batch["loss_mask"], batch["ctx_features"],
                 batch["target_last_hidden"], dcfg.ttt_steps, segment_ids=batch["segment_ids"],
                 positions=batch["positions"], **slots)
-            return out["total_loss"], {"loss": out["total_loss"], "loss_per_step": out["loss"]}
+            # Pass i at t drafts the chain's token i+1: per-position metrics as for a block at t + 1.
+            alpha, mask = (jnp.moveaxis(out[k], 0, -1) for k in ("acceptance", "position_mask"))
+            metrics = {"loss": out["total_loss"], "loss_per_step": out["loss"],
+                       **chain_acceptance_metrics(alpha, mask)}
+            return out["total_loss"], metrics
 
         return eagle3.init_eagle3_params, loss_fn
 
