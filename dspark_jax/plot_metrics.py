@@ -9,7 +9,10 @@ training (a half-written last line is skipped).
 With several RUN_DIRs (e.g. DSpark and DFlash trained on the same data and budget) it also writes
 DIR/teacher_forced_acceptance.png: the last held-out (eval_) per-position acceptance
 sum_v min(q, p) of each run, one line per run, and prints it as a Markdown table. DIR is then
-required, and each run's own curves go to DIR/<run name>/.
+required, and each run's own curves go to DIR/<run name>/. When the runs span several block sizes
+(a gamma sweep) it also writes DIR/expected_tau_by_block_size.png: the last held-out expected tau
+of each run against its gamma, one line per drafter family (from RUN_DIR/drafter/drafter.json:
+DSpark with its head, DFlash, Eagle3), and prints that table too.
 """
 
 from __future__ import annotations
@@ -83,12 +86,48 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         raise UserError(f"cannot write plots to {out_dir}: {e.strerror or e}") from None
     if len(runs) > 1:
+        block_size_sweep([run_dir for _, run_dir in runs], names, curves, out_dir)
         gamma = max(len(v) for v, _, _ in curves.values())
         print("\n| run | " + " | ".join(f"k={k}" for k in range(1, gamma + 1)) + " |")
         print("|---|" + "---|" * gamma)
         for name, (v, key, step) in curves.items():
             print(f"| {name} ({key}, step {step}) | " + " | ".join(f"{x:.3f}" for x in v) + " |")
     return 0
+
+
+def drafter_family(run_dir: str, name: str) -> str:
+    """DSpark (<head>) / DFlash / Eagle3 from the run's exported drafter.json, else the run's name."""
+    import json
+
+    try:
+        with open(os.path.join(run_dir, "drafter", "drafter.json")) as f:
+            d = json.load(f)
+    except (OSError, ValueError):
+        return name
+    if d.get("kind") == "eagle3":
+        return "Eagle3"
+    return "DFlash" if d.get("head", "none") == "none" else f"DSpark ({d['head']})"
+
+
+def block_size_sweep(run_dirs: list[str], names: list[str], curves: dict, out_dir: str) -> None:
+    """expected_tau_by_block_size.png and its table when the runs cover several block sizes."""
+    from dspark_jax.evaluation.plots import read_metrics, tau_by_block_size
+
+    if len({len(v) for v, _, _ in curves.values()}) < 2:
+        return
+    families: dict = {}
+    for run_dir, name in zip(run_dirs, names):
+        records = read_metrics(metrics_path(run_dir)[0])
+        taus = [r[k] for k in ("eval_expected_tau", "expected_tau") for r in reversed(records) if k in r]
+        if taus:
+            families.setdefault(drafter_family(run_dir, name), []).append((len(curves[name][0]), float(taus[0])))
+    print(tau_by_block_size(families, os.path.join(out_dir, "expected_tau_by_block_size.png")))
+    gammas = sorted({g for points in families.values() for g, _ in points})
+    print("\n| drafter | " + " | ".join(f"gamma={g}" for g in gammas) + " |")
+    print("|---|" + "---|" * len(gammas))
+    for family, points in families.items():
+        got = dict(points)
+        print(f"| {family} | " + " | ".join(f"{got[g]:.3f}" if g in got else "-" for g in gammas) + " |")
 
 
 if __name__ == "__main__":

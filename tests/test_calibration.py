@@ -356,6 +356,24 @@ def test_cli_compares_runs(capsys, tmp_path):
     assert_fails(capsys, "--out is required when comparing several runs", str(a), str(b))
 
 
+def test_cli_block_size_sweep(capsys, tmp_path):
+    """Runs of several block sizes: held-out expected tau against gamma, one line per drafter family
+    (read from each run's drafter.json), as a PNG and a table."""
+    for name, head, gamma, tau in (("dspark_g4", "markov", 4, 1.6), ("dspark_g8", "markov", 8, 1.9),
+                                   ("dflash_g4", "none", 4, 1.5), ("dflash_g8", "none", 8, 1.6)):
+        run = tmp_path / name
+        (run / "drafter").mkdir(parents=True)
+        (run / "drafter" / "drafter.json").write_text(json.dumps({"kind": "dspark", "head": head}))
+        write_metrics(run / "metrics.jsonl", steps=3, gamma=gamma, extra=json.dumps(
+            {"step": 40, "eval_expected_tau": tau, "eval_acceptance_per_position": [0.5] * gamma}) + "\n")
+    code, out, err = run_cli(capsys, *(str(tmp_path / n) for n in ("dspark_g4", "dspark_g8", "dflash_g4", "dflash_g8")),
+                             "--out", str(tmp_path / "sweep"))
+    assert code == 0, err
+    assert_png(str(tmp_path / "sweep" / "expected_tau_by_block_size.png"))
+    assert "| DSpark (markov) | 1.600 | 1.900 |" in out and "| DFlash | 1.500 | 1.600 |" in out, out
+    assert "| drafter | gamma=4 | gamma=8 |" in out
+
+
 def test_cli_skips_half_written_last_line(capsys, tmp_path):
     write_metrics(tmp_path / "metrics.jsonl", steps=3, extra='{"step": 40, "loss": 1.')
     code, out, err = run_cli(capsys, str(tmp_path))

@@ -176,6 +176,28 @@ def acceptance_curves(curves: Mapping[str, Sequence[float]], path: str,
     return _save(fig, path)
 
 
+def tau_by_block_size(families: Mapping[str, Sequence[tuple[int, float]]], path: str,
+                      title: str = "Held-out expected tau vs block size",
+                      ylabel: str = "teacher-forced expected tau (bonus included)") -> str:
+    """One line per drafter family through its (gamma, tau) points: the block-size sweep."""
+    if not families:
+        raise ValueError("tau_by_block_size needs at least one family")
+    fig = _new_figure(6.4, 4.2)
+    ax = fig.add_subplot()
+    gammas = set()
+    for name, points in families.items():
+        g, tau = np.asarray(sorted(points), dtype=float).T
+        gammas.update(int(x) for x in g)
+        ax.plot(g, tau, marker="o", ms=5, lw=1.8, label=str(name))
+    ax.set_xticks(sorted(gammas))
+    ax.set_xlabel("block size gamma (draft tokens per round)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
 def threshold_sweep_plot(sweep: Mapping, path: str, title: str = "Static confidence-threshold sweep") -> str:
     """Left: tokens per step and verified draft tokens per step vs threshold. Right: acceptance rate."""
     h = np.asarray(sweep["thresholds"], dtype=float)
