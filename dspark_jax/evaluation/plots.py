@@ -149,31 +149,35 @@ def reliability_diagram(report_or_arrays, path: str, title: str = "Reliability o
     return _save(fig, path)
 
 
+def _line_chart(lines: Mapping[str, tuple[np.ndarray, np.ndarray]], path: str, xlabel: str, ylabel: str,
+                title: str) -> str:
+    """One line with markers per name through its (x, y) points; x ticks at every x; y in [0, 1]
+    when all values are probabilities."""
+    fig = _new_figure(6.4, 4.2)
+    ax = fig.add_subplot()
+    for name, (x, y) in lines.items():
+        ax.plot(x, y, marker="o", ms=5, lw=1.8, label=str(name))
+    ax.set_xticks(sorted({int(v) for x, _ in lines.values() for v in x}))
+    finite = np.concatenate([y[np.isfinite(y)] for _, y in lines.values()])
+    if finite.size and finite.min() >= 0 and finite.max() <= 1:
+        ax.set_ylim(0, 1.02)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
 def acceptance_curves(curves: Mapping[str, Sequence[float]], path: str,
                       title: str = "Position-wise conditional acceptance",
                       ylabel: str = "P(token k accepted | 1..k-1 accepted)") -> str:
     """One line per drafter: value at draft position k = 1..len(values)."""
     if not curves:
         raise ValueError("acceptance_curves needs at least one curve")
-    fig = _new_figure(6.4, 4.2)
-    ax = fig.add_subplot()
-    longest = 1
-    all_values = []
+    lines = {}
     for name, values in curves.items():
         v = np.asarray(values, dtype=float).reshape(-1)
-        longest = max(longest, v.size)
-        all_values.append(v[np.isfinite(v)])
-        ax.plot(np.arange(1, v.size + 1), v, marker="o", ms=5, lw=1.8, label=str(name))
-    ax.set_xticks(np.arange(1, longest + 1))
-    finite = np.concatenate(all_values) if all_values else np.array([])
-    if finite.size and finite.min() >= 0 and finite.max() <= 1:
-        ax.set_ylim(0, 1.02)
-    ax.set_xlabel("draft position k")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    return _save(fig, path)
+        lines[name] = (np.arange(1, v.size + 1), v)
+    return _line_chart(lines, path, "draft position k", ylabel, title)
 
 
 def tau_by_block_size(families: Mapping[str, Sequence[tuple[int, float]]], path: str,
@@ -182,20 +186,8 @@ def tau_by_block_size(families: Mapping[str, Sequence[tuple[int, float]]], path:
     """One line per drafter family through its (gamma, tau) points: the block-size sweep."""
     if not families:
         raise ValueError("tau_by_block_size needs at least one family")
-    fig = _new_figure(6.4, 4.2)
-    ax = fig.add_subplot()
-    gammas = set()
-    for name, points in families.items():
-        g, tau = np.asarray(sorted(points), dtype=float).T
-        gammas.update(int(x) for x in g)
-        ax.plot(g, tau, marker="o", ms=5, lw=1.8, label=str(name))
-    ax.set_xticks(sorted(gammas))
-    ax.set_xlabel("block size gamma (draft tokens per round)")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    return _save(fig, path)
+    lines = {name: tuple(np.asarray(sorted(points), dtype=float).T) for name, points in families.items()}
+    return _line_chart(lines, path, "block size gamma (draft tokens per round)", ylabel, title)
 
 
 def threshold_sweep_plot(sweep: Mapping, path: str, title: str = "Static confidence-threshold sweep") -> str:
