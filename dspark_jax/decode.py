@@ -75,15 +75,20 @@ def load_speculative(args, target):
         raise UserError(f"--scheduler {args.scheduler} needs a drafter with a confidence head")
     dparams = jax.tree.map(lambda a: jnp.asarray(a, target.config.dtype), loaded.params)
     policy = args.scheduler.replace("-", "_")
-    sps = sps_table(args, target, dcfg, dparams, gamma) if policy.startswith("dspark") else None
     # Every policy but "fixed" verifies fewer tokens than R x (gamma + 1): flatten them into buckets.
     buckets = None
     if policy != "fixed":
         from dspark_jax.engine.sps import token_buckets
 
-        buckets = sps.buckets if sps is not None else token_buckets(args.batch_size * (gamma + 1))
+        buckets = token_buckets(args.batch_size * (gamma + 1))
 
     def run(batch, sampling, seed):
+        from dspark_jax.generate import pad_prompts
+
+        sps = None
+        if policy.startswith("dspark"):  # the round's cost depends on the KV cache this batch gets
+            max_len = pad_prompts(target.config, batch, args.max_new_tokens, slack=gamma + 1)[2]
+            sps = sps_table(args, target, dcfg, dparams, gamma, max_len)
         cfg = SpecConfig(gamma=gamma, sampling=sampling, policy=policy, threshold=args.threshold,
                          stop_ids=tuple(target.tokenizer.eos_token_ids), sps=sps, verify_buckets=buckets)
         return speculative_generate(target.params, target.config, dparams, dcfg, batch,
@@ -93,9 +98,15 @@ def load_speculative(args, target):
     return run
 
 
-def sps_table(args, target, dcfg, dparams, gamma):
+_PROFILED: dict = {}  # SPS tables profiled by this process, by file: --profile-sps measures each once
+
+
+def sps_table(args, target, dcfg, dparams, gamma, max_len):
     """Load the SPS table (round cost per verify bucket: the drafter's pass + the target's verify)
-    for this device, target, drafter, batch size and gamma, or profile and save it."""
+    for this device, target, drafter, batch size, gamma and KV-cache length, or profile and save it.
+    The cache length matters: attention runs over the whole cache, so on a small target it is a
+    large part of a round (a table profiled at 512 positions overstates what extra verify tokens
+    cost at 256)."""
     import os
 
     from dspark_jax.engine.speculative import profile_verify
@@ -103,20 +114,23 @@ def sps_table(args, target, dcfg, dparams, gamma):
 
     # The draft cost is part of a round: the table belongs to the drafter's shape as well as the target's.
     drafter = f"{dcfg.kind}-{dcfg.num_layers}L-{dcfg.head}-d{dcfg.hidden_size}"
-    model = f"{target.name}:{target.config.num_layers}x{target.config.hidden_size}:{target.config.dtype}+{drafter}"
+    model = (f"{target.name}:{target.config.num_layers}x{target.config.hidden_size}:{target.config.dtype}+{drafter}"
+             f":kv{max_len}")
     buckets = token_buckets(args.batch_size * (gamma + 1))
     path = args.sps_table or os.path.join(".dspark_cache", f"sps_{target.name}_{drafter}_"
-                                          f"{device_kind().replace(' ', '_')}_b{args.batch_size}_g{gamma}.json")
+                                          f"{device_kind().replace(' ', '_')}_b{args.batch_size}_g{gamma}_kv{max_len}.json")
+    if path in _PROFILED:
+        return _PROFILED[path]
     if os.path.exists(path) and not args.profile_sps:
         return load_sps_table(path, device=device_kind(), model=model, buckets=buckets)
     if args.sps_table and not args.profile_sps:
         raise UserError(f"no SPS table at {args.sps_table} (add --profile-sps to measure one)")
     if not args.json:
         print(f"profiling a round (draft + verify) for {len(buckets)} token buckets ...", file=sys.stderr)
-    max_len = 512
     table = profile_verify(target.params, target.config, dcfg, rows=args.batch_size, gamma=gamma, max_len=max_len,
                            model=model, dparams=dparams)
     save_sps_table(path, table)
+    _PROFILED[path] = table
     return table
 
 
