@@ -67,7 +67,7 @@ def load_speculative(args, target):
     loaded = load_drafter(args.drafter, target.config, target.name)
     dcfg = loaded.config
     if args.scheduler == "auto":
-        args.scheduler = "dspark" if dcfg.confidence else "fixed"
+        args.scheduler = auto_scheduler(dcfg, args.batch_size)
     gamma = args.gamma or dcfg.block_size
     if gamma < 1 or (dcfg.kind == "dspark" and gamma > dcfg.block_size):
         raise UserError(f"--gamma {gamma} must be between 1 and the drafter's block size {dcfg.block_size}")
@@ -96,6 +96,16 @@ def load_speculative(args, target):
                                     seed=seed, progress=not args.json)
 
     return run
+
+
+def auto_scheduler(dcfg, batch_size: int) -> str:
+    """`--scheduler auto`: fixed without a confidence head; else Algorithm 1 for one request, and
+    the asynchronous variant for a batch, where Algorithm 1's early stop meets bucket cliffs (every
+    request's anchor fills a bucket exactly, so the first draft token pads the pass to the next) and
+    verifies nothing (docs/results.md section 6: 27-30% behind MTP-1 at 16 and 64 requests)."""
+    if not dcfg.confidence:
+        return "fixed"
+    return "dspark" if batch_size == 1 else "dspark-async"
 
 
 _PROFILED: dict = {}  # SPS tables profiled by this process, by file: --profile-sps measures each once

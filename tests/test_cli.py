@@ -171,3 +171,14 @@ def test_confidence_schedulers_from_the_cli(capsys, tiny_target_folder, tiny_dra
         assert saved["buckets"] == [1, 2, 4, 8, 10]
         code, out, err = run(capsys, *args[:-1])  # reuses the saved table
         assert code == 0, err
+
+
+def test_auto_scheduler():
+    from dspark_jax.decode import auto_scheduler
+    from dspark_jax.drafters.config import DrafterConfig
+
+    shape = dict(kind="dspark", num_layers=1, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
+                 intermediate_size=16, vocab_size=32)
+    head = DrafterConfig(**shape, markov_rank=4, confidence=True)
+    assert auto_scheduler(head, 1) == "dspark" and auto_scheduler(head, 8) == "dspark-async"
+    assert auto_scheduler(DrafterConfig(**shape, head="none", confidence=False), 4) == "fixed"
