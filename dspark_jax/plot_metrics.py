@@ -101,8 +101,8 @@ def drafter_family(run_dir: str, name: str) -> str:
 
     try:
         with open(os.path.join(run_dir, "drafter", "drafter.json")) as f:
-            d = json.load(f)
-    except (OSError, ValueError):
+            d = json.load(f)["config"]
+    except (OSError, ValueError, KeyError, TypeError):
         return name
     if d.get("kind") == "eagle3":
         return "Eagle3"

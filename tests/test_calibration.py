@@ -363,7 +363,7 @@ def test_cli_block_size_sweep(capsys, tmp_path):
                                    ("dflash_g4", "none", 4, 1.5), ("dflash_g8", "none", 8, 1.6)):
         run = tmp_path / name
         (run / "drafter").mkdir(parents=True)
-        (run / "drafter" / "drafter.json").write_text(json.dumps({"kind": "dspark", "head": head}))
+        (run / "drafter" / "drafter.json").write_text(json.dumps({"config": {"kind": "dspark", "head": head}}))
         write_metrics(run / "metrics.jsonl", steps=3, gamma=gamma, extra=json.dumps(
             {"step": 40, "eval_expected_tau": tau, "eval_acceptance_per_position": [0.5] * gamma}) + "\n")
     code, out, err = run_cli(capsys, *(str(tmp_path / n) for n in ("dspark_g4", "dspark_g8", "dflash_g4", "dflash_g8")),
