@@ -108,7 +108,7 @@ def auto_scheduler(dcfg, batch_size: int) -> str:
     return "dspark" if batch_size == 1 else "dspark-async"
 
 
-_PROFILED: dict = {}  # SPS tables profiled by this process, by file: --profile-sps measures each once
+_TABLES: dict = {}  # SPS tables this process loaded or profiled, by file: read (or re-measured) once
 
 
 def sps_table(args, target, dcfg, dparams, gamma, max_len):
@@ -129,10 +129,11 @@ def sps_table(args, target, dcfg, dparams, gamma, max_len):
     buckets = token_buckets(args.batch_size * (gamma + 1))
     path = args.sps_table or os.path.join(".dspark_cache", f"sps_{target.name}_{drafter}_"
                                           f"{device_kind().replace(' ', '_')}_b{args.batch_size}_g{gamma}_kv{max_len}.json")
-    if path in _PROFILED:
-        return _PROFILED[path]
+    if path in _TABLES:
+        return _TABLES[path]
     if os.path.exists(path) and not args.profile_sps:
-        return load_sps_table(path, device=device_kind(), model=model, buckets=buckets)
+        _TABLES[path] = load_sps_table(path, device=device_kind(), model=model, buckets=buckets)
+        return _TABLES[path]
     if args.sps_table and not args.profile_sps:
         raise UserError(f"no SPS table at {args.sps_table} (add --profile-sps to measure one)")
     if not args.json:
@@ -140,7 +141,7 @@ def sps_table(args, target, dcfg, dparams, gamma, max_len):
     table = profile_verify(target.params, target.config, dcfg, rows=args.batch_size, gamma=gamma, max_len=max_len,
                            model=model, dparams=dparams)
     save_sps_table(path, table)
-    _PROFILED[path] = table
+    _TABLES[path] = table
     return table
 
 
