@@ -88,7 +88,7 @@ def load_speculative(args, target):
         sps = None
         if policy.startswith("dspark"):  # the round's cost depends on the KV cache this batch gets
             max_len = pad_prompts(target.config, batch, args.max_new_tokens, slack=gamma + 1)[2]
-            sps = sps_table(args, target, dcfg, dparams, gamma, max_len)
+            sps = sps_table(args, target, dcfg, dparams, gamma, max_len, buckets)
         cfg = SpecConfig(gamma=gamma, sampling=sampling, policy=policy, threshold=args.threshold,
                          stop_ids=tuple(target.tokenizer.eos_token_ids), sps=sps, verify_buckets=buckets)
         return speculative_generate(target.params, target.config, dparams, dcfg, batch,
@@ -111,7 +111,7 @@ def auto_scheduler(dcfg, batch_size: int) -> str:
 _TABLES: dict = {}  # SPS tables this process loaded or profiled, by file: read (or re-measured) once
 
 
-def sps_table(args, target, dcfg, dparams, gamma, max_len):
+def sps_table(args, target, dcfg, dparams, gamma, max_len, buckets):
     """Load the SPS table (round cost per verify bucket: the drafter's pass + the target's verify)
     for this device, target, drafter, batch size, gamma and KV-cache length, or profile and save it.
     The cache length matters: attention runs over the whole cache, so on a small target it is a
@@ -120,13 +120,12 @@ def sps_table(args, target, dcfg, dparams, gamma, max_len):
     import os
 
     from dspark_jax.engine.speculative import profile_verify
-    from dspark_jax.engine.sps import device_kind, load_sps_table, save_sps_table, token_buckets
+    from dspark_jax.engine.sps import device_kind, load_sps_table, save_sps_table
 
     # The draft cost is part of a round: the table belongs to the drafter's shape as well as the target's.
     drafter = f"{dcfg.kind}-{dcfg.num_layers}L-{dcfg.head}-d{dcfg.hidden_size}"
     model = (f"{target.name}:{target.config.num_layers}x{target.config.hidden_size}:{target.config.dtype}+{drafter}"
              f":kv{max_len}")
-    buckets = token_buckets(args.batch_size * (gamma + 1))
     path = args.sps_table or os.path.join(".dspark_cache", f"sps_{target.name}_{drafter}_"
                                           f"{device_kind().replace(' ', '_')}_b{args.batch_size}_g{gamma}_kv{max_len}.json")
     if path in _TABLES:
