@@ -65,7 +65,7 @@ def stop_mask(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
 def prefill(params, tokens, lengths, key, *, cfg: ModelConfig, sampling: SamplingConfig, max_len: int,
             max_new: int, stop_ids: tuple[int, ...]) -> DecodeState:
     B = tokens.shape[0]
-    cache = decoder.init_cache(cfg, B, max_len)
+    cache = decoder.cache_for(params, cfg, B, max_len)
     hidden, cache, _ = decoder.forward(params, cfg, tokens, cache, lengths)
     last_hidden = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
     key, sub = jax.random.split(key)

@@ -65,19 +65,28 @@ def logical_spec(mesh: Mesh, axes: Sequence[str | None], shape: Sequence[int]) -
 def tree_shardings(mesh: Mesh, logical_axes, shapes):
     """NamedShardings for a pytree, given matching trees of logical axes and of shapes."""
     return jax.tree.map(lambda axes, shape: NamedSharding(mesh, logical_spec(mesh, axes, shape)),
-                        logical_axes, shapes, is_leaf=lambda x: isinstance(x, tuple))
+                        logical_axes, shapes, is_leaf=is_spec)
 
 
-def param_shardings(mesh: Mesh, cfg) -> dict:
+def is_spec(x) -> bool:
+    """A leaf of a shape or logical-axes tree: a tuple of sizes or names (per-layer params hold
+    a tuple of layer dicts, which is a node)."""
+    return isinstance(x, tuple) and not any(isinstance(e, dict) for e in x)
+
+
+def param_shardings(mesh: Mesh, cfg, layout: str = "stacked") -> dict:
+    """Shardings of a target's params in `layout` (see `decoder.with_layout`)."""
     from dspark_jax.models.decoder import param_logical_axes, param_shapes
 
-    return tree_shardings(mesh, param_logical_axes(cfg), param_shapes(cfg))
+    return tree_shardings(mesh, param_logical_axes(cfg, layout), param_shapes(cfg, layout))
 
 
 def cache_shardings(mesh: Mesh, cache):
     from dspark_jax.models.decoder import KVCache
 
-    kv = ("layers", "batch", "seq", "kv_heads", "head_dim")
-    return KVCache(NamedSharding(mesh, logical_spec(mesh, kv, cache.k.shape)),
-                   NamedSharding(mesh, logical_spec(mesh, kv, cache.v.shape)),
+    kv = ("batch", "kv_heads", "seq", "head_dim")
+    if not isinstance(cache.k, tuple):
+        kv = ("layers",) + kv
+    spec = lambda a: NamedSharding(mesh, logical_spec(mesh, kv, a.shape))  # noqa: E731
+    return KVCache(jax.tree.map(spec, cache.k), jax.tree.map(spec, cache.v),
                    NamedSharding(mesh, logical_spec(mesh, ("batch",), cache.lengths.shape)))

@@ -53,15 +53,16 @@ def test_flat_matches_padded_forward():
         np.testing.assert_allclose(np.asarray(h[n]), np.asarray(h_ref[b, t]), atol=2e-5, rtol=0)
         np.testing.assert_allclose(np.asarray(taps[:, n]), np.asarray(taps_ref[:, b, t]), atol=2e-5, rtol=0)
         p = COMMITTED[b] + t
-        np.testing.assert_allclose(np.asarray(c.k[:, b, p]), np.asarray(c_ref.k[:, b, p]), atol=2e-5, rtol=0)
-        np.testing.assert_allclose(np.asarray(c.v[:, b, p]), np.asarray(c_ref.v[:, b, p]), atol=2e-5, rtol=0)
+        np.testing.assert_allclose(np.asarray(c.k[:, b, :, p]), np.asarray(c_ref.k[:, b, :, p]), atol=2e-5, rtol=0)
+        np.testing.assert_allclose(np.asarray(c.v[:, b, :, p]), np.asarray(c_ref.v[:, b, :, p]), atol=2e-5, rtol=0)
 
     # Everything else in the cache (committed prefixes, padding targets, row 1, row 3) is untouched.
-    written = np.zeros(c.k.shape[1:3], bool)
+    written = np.zeros((c.k.shape[1], c.k.shape[3]), bool)  # (row, position) of [L, B, Hkv, S, D]
     for b, t in order:
         written[b, COMMITTED[b] + t] = True
     for new, old in ((c.k, cache.k), (c.v, cache.v)):
-        np.testing.assert_array_equal(np.asarray(new)[:, ~written], np.asarray(old)[:, ~written])
+        new, old = (np.asarray(a).transpose(0, 1, 3, 2, 4) for a in (new, old))
+        np.testing.assert_array_equal(new[:, ~written], old[:, ~written])
 
 
 def test_flat_jit_fixed_bucket_varying_valid_counts():
@@ -84,8 +85,8 @@ def test_flat_jit_fixed_bucket_varying_valid_counts():
                                           jnp.asarray(num_new, jnp.int32))
         for n, (b, t) in enumerate(order):
             np.testing.assert_allclose(np.asarray(h[n]), np.asarray(h_ref[b, t]), atol=2e-5, rtol=0)
-            np.testing.assert_allclose(np.asarray(c.k[:, b, COMMITTED[b] + t]),
-                                       np.asarray(c_ref.k[:, b, COMMITTED[b] + t]), atol=2e-5, rtol=0)
+            np.testing.assert_allclose(np.asarray(c.k[:, b, :, COMMITTED[b] + t]),
+                                       np.asarray(c_ref.k[:, b, :, COMMITTED[b] + t]), atol=2e-5, rtol=0)
         if not order:
             np.testing.assert_array_equal(np.asarray(c.k), np.asarray(cache.k))
     assert len(traces) == 1  # one compile for the bucket, whatever the valid count

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.errors import UserError
+from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.tokenizer import Tokenizer
 
@@ -76,7 +77,9 @@ def resolve_target_path(spec: str) -> tuple[str, str]:
                     "a Hugging Face checkpoint folder or a .gguf file")
 
 
-def load_target(spec: str = DEFAULT_TARGET, dtype: str = "float32") -> Target:
+def load_target(spec: str = DEFAULT_TARGET, dtype: str = "float32", layout: str | None = None) -> Target:
+    """Load a target; its decoder layers come in `layout` (default: the faster one for this backend,
+    see `decoder.with_layout`)."""
     name, path = resolve_target_path(spec)
     if os.path.isdir(path):
         from dspark_jax.checkpoints.hf import load_hf_model
@@ -88,4 +91,5 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str = "float32") -> Target:
 
         cfg, params, tokenizer = load_gguf_model(path, dtype=dtype)
     params = jax.tree.map(lambda a: jnp.asarray(a, dtype=cfg.dtype), params)
+    params = decoder.with_layout(params, layout or decoder.default_layout())
     return Target(name, path, cfg, params, tokenizer)

@@ -100,7 +100,7 @@ def schedule(cfg: SpecConfig, confidence_logits: jax.Array | None, temperatures:
 def spec_prefill(target_params, dparams, tokens, lengths, max_new, key, *, tcfg: ModelConfig, dcfg: DrafterConfig,
                  cfg: SpecConfig, max_len: int) -> SpecState:
     B = tokens.shape[0]
-    cache = decoder.init_cache(tcfg, B, max_len)
+    cache = decoder.cache_for(target_params, tcfg, B, max_len)
     hidden, cache, taps = decoder.forward(target_params, tcfg, tokens, cache, lengths, dcfg.tap_layers)
     draft = drafting.start(dparams, dcfg, target_params, tokens, lengths, jnp.concatenate(list(taps), -1), max_len,
                            jnp.dtype(tcfg.dtype))
@@ -309,7 +309,7 @@ def profile_verify(target_params, tcfg: ModelConfig, dcfg: DrafterConfig, *, row
     from dspark_jax.engine.sps import profile_sps, token_buckets
 
     buckets = token_buckets(rows * (gamma + 1))
-    cache = decoder.init_cache(tcfg, rows, max_len)
+    cache = decoder.cache_for(target_params, tcfg, rows, max_len)
     cache = dataclasses.replace(cache, lengths=jnp.full((rows,), max_len // 2, jnp.int32))  # a half-full context
     programs = {}
     for n in buckets:
@@ -340,8 +340,10 @@ def admit(state: SpecState, new: SpecState, row) -> SpecState:
     """Put a freshly prefilled one-request state into slot `row` of the running batch (continuous
     batching): the other slots keep their caches and progress untouched."""
     def cache_row(batched, single):  # KVCache, DrafterCache and Eagle3Cache share k, v, lengths
-        return dataclasses.replace(batched, k=_set_row(batched.k, single.k, row, 1),
-                                   v=_set_row(batched.v, single.v, row, 1),
+        axis = getattr(batched, "batch_axis", 1)  # the drafters' caches are always layer-stacked
+        set_rows = lambda b, s: _set_row(b, s, row, axis)  # noqa: E731
+        return dataclasses.replace(batched, k=jax.tree.map(set_rows, batched.k, single.k),
+                                   v=jax.tree.map(set_rows, batched.v, single.v),
                                    lengths=_set_row(batched.lengths, single.lengths, row, 0))
 
     draft = drafting.DraftState(cache_row(state.draft.cache, new.draft.cache),

@@ -1,8 +1,17 @@
 """The target decoder: one pure-functional implementation for every supported family.
 
-Parameters are a dict pytree with per-layer weights stacked on a leading layer axis (the layer
-loop is a `lax.scan`, so compile time does not grow with depth). There is one forward pass,
-`forward`, over a KV cache with per-row lengths:
+Parameters are a dict pytree. The decoder layers come in one of two layouts, a property of how the
+params were built (`with_layout`), run by the same layer function and giving identical logits:
+
+* "stacked": every layer weight stacked on a leading layer axis, the layer loop a `lax.scan` —
+  compile time does not grow with depth (what accelerators want);
+* "per_layer": a tuple of per-layer dicts, the layer loop unrolled in Python — on XLA CPU slicing
+  a layer out of the stack inside the scan costs a copy of its weights per step, and the scan's
+  carried KV cache is copied per layer, so this layout decodes ~1.6x faster there.
+
+The KV cache follows the params' layout (`init_cache`) and keeps keys heads-major, [.., kv_heads,
+max_len, head_dim], the layout attention's dot products read without a transposed copy.
+There is one forward pass, `forward`, over a KV cache with per-row lengths:
 
 * prefill  = `forward` on an empty cache, each row with its own prompt length;
 * extend   = `forward` where row b appends `num_new[b]` tokens at its own position (the verify
@@ -26,25 +35,79 @@ import numpy as np
 from dspark_jax.models.config import ModelConfig
 
 
+LAYOUTS = ("stacked", "per_layer")
+
+
+def default_layout() -> str:
+    """The faster layout for the default backend (see the module docstring)."""
+    return "per_layer" if jax.default_backend() == "cpu" else "stacked"
+
+
+def layout_of(params: dict) -> str:
+    return "per_layer" if isinstance(params["layers"], (tuple, list)) else "stacked"
+
+
+def with_layout(params: dict, layout: str) -> dict:
+    """The same parameters with their decoder layers in `layout` ("stacked" or "per_layer")."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layer layout {layout!r} (one of {', '.join(LAYOUTS)})")
+    if layout_of(params) == layout:
+        return params
+    layers = params["layers"]
+    if layout == "per_layer":
+        count = len(next(iter(layers.values())))
+        layers = tuple({k: w[i] for k, w in layers.items()} for i in range(count))
+    else:
+        layers = {k: jnp.stack([lp[k] for lp in layers]) for k in layers[0]}
+    return {**params, "layers": layers}
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    k: jax.Array  # [layers, batch, max_len, kv_heads, head_dim]
-    v: jax.Array
+    # stacked layout: [layers, batch, kv_heads, max_len, head_dim]; per-layer layout: a tuple of
+    # [batch, kv_heads, max_len, head_dim], one per layer.
+    k: jax.Array | tuple[jax.Array, ...]
+    v: jax.Array | tuple[jax.Array, ...]
     lengths: jax.Array  # [batch] int32: committed tokens per row
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return (self.k[0] if isinstance(self.k, tuple) else self.k).shape[-2]
+
+    @property
+    def batch_axis(self) -> int:
+        return 0 if isinstance(self.k, tuple) else 1
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-    return KVCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype), jnp.zeros((batch,), jnp.int32))
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, layout: str = "stacked") -> KVCache:
+    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    if layout == "per_layer":
+        k = tuple(jnp.zeros(shape, cfg.dtype) for _ in range(cfg.num_layers))
+        v = tuple(jnp.zeros(shape, cfg.dtype) for _ in range(cfg.num_layers))
+    else:
+        k, v = jnp.zeros((cfg.num_layers,) + shape, cfg.dtype), jnp.zeros((cfg.num_layers,) + shape, cfg.dtype)
+    return KVCache(k, v, jnp.zeros((batch,), jnp.int32))
 
 
-def param_shapes(cfg: ModelConfig) -> dict:
-    """Shape of every parameter; the loaders check against this and nothing else."""
+def cache_for(params: dict, cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
+    """An empty cache in the layout of `params`."""
+    return init_cache(cfg, batch, max_len, layout_of(params))
+
+
+def layer_get(kv, i):
+    """Layer i of a cache's keys (or values): a tuple entry (Python int i) or a stack slice."""
+    return kv[i] if isinstance(kv, tuple) else jax.lax.dynamic_index_in_dim(kv, i, 0, keepdims=False)
+
+
+def layer_set(kv, i, value):
+    if isinstance(kv, tuple):
+        return kv[:i] + (value,) + kv[i + 1:]
+    return jax.lax.dynamic_update_index_in_dim(kv, value, i, 0)
+
+
+def param_shapes(cfg: ModelConfig, layout: str = "stacked") -> dict:
+    """Shape of every parameter (in `layout`); the loaders check against this and nothing else."""
     L, d, f = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     layers = {
@@ -58,11 +121,20 @@ def param_shapes(cfg: ModelConfig) -> dict:
     shapes = {"embed": (cfg.vocab_size, d), "layers": layers, "final_norm": (d,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (d, cfg.vocab_size)
-    return shapes
+    return spec_in_layout(shapes, cfg, layout)
+
+
+def spec_in_layout(spec: dict, cfg: ModelConfig, layout: str) -> dict:
+    """A per-parameter tree of tuples (shapes or logical axes) written for the stacked layout,
+    rewritten for `layout`: per layer, the leading layer entry goes and the dict repeats."""
+    if layout == "stacked":
+        return spec
+    one = {k: v[1:] for k, v in spec["layers"].items()}
+    return {**spec, "layers": tuple(dict(one) for _ in range(cfg.num_layers))}
 
 
 # Logical axis names of every parameter (see dspark_jax/sharding.py for the mesh mapping).
-def param_logical_axes(cfg: ModelConfig) -> dict:
+def param_logical_axes(cfg: ModelConfig, layout: str = "stacked") -> dict:
     layers = {
         "attn_norm": ("layers", "embed"), "wq": ("layers", "embed", "heads"),
         "wk": ("layers", "embed", "kv_heads"), "wv": ("layers", "embed", "kv_heads"),
@@ -75,7 +147,7 @@ def param_logical_axes(cfg: ModelConfig) -> dict:
     shapes = param_shapes(cfg)
     axes = {"embed": ("vocab", "embed"), "final_norm": ("embed",), "lm_head": ("embed", "vocab"),
             "layers": {k: layers[k] for k in shapes["layers"]}}
-    return {k: axes[k] for k in shapes}
+    return spec_in_layout({k: axes[k] for k in shapes}, cfg, layout)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> dict:
@@ -112,15 +184,64 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
-    """Grouped-query attention. q: [B, T, H, D]; k, v: [B, S, Hkv, D]; visible: [B, T, S] bool."""
+    """Grouped-query attention. q: [B, T, H, D]; k, v: [B, Hkv, S, D] (heads-major, as the cache
+    holds them); visible: [B, T, S] bool.
+
+    The T x group queries of a KV head form one [T*G, D] matrix, so both products are plain batched
+    matmuls over (batch, kv head) that read keys and values in place."""
     B, T, H, D = q.shape
-    kv_heads = k.shape[2]
-    q = q.reshape(B, T, kv_heads, H // kv_heads, D)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / np.sqrt(D)
-    scores = jnp.where(visible[:, None, None], scores, -1e30)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(B, T, H * D).astype(q.dtype)
+    kv_heads = k.shape[1]
+    G = H // kv_heads
+    q = q.reshape(B, T, kv_heads, G, D).transpose(0, 2, 1, 3, 4).reshape(B, kv_heads, T * G, D)
+    scores = jnp.einsum("bkqd,bksd->bkqs", q, k, preferred_element_type=jnp.float32) / np.sqrt(D)
+    mask = jnp.repeat(visible, G, axis=1)[:, None]  # rows ordered (t, g) like q's
+    probs = jax.nn.softmax(jnp.where(mask, scores, -1e30), axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkqs,bksd->bkqd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(B, kv_heads, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, H * D).astype(q.dtype)
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, chunk: int = 256) -> jax.Array:
+    """Causal attention of queries at absolute `q_positions` [B, T] over a KV cache k, v
+    [B, Hkv, S, D], reading keys only up to the furthest query position.
+
+    Keys are visited in chunks (a `fori_loop` with a running softmax), as many as the furthest
+    query needs, so a step costs what the context holds, not what the cache could hold: decoding
+    the 2,048th token of a long cache reads 2,048 keys, the 64th reads one chunk. Equal to
+    `attention(q, k, v, key_pos <= q_position)` up to float rounding."""
+    B, T, H, D = q.shape
+    kv_heads, S = k.shape[1], k.shape[2]
+    G = H // kv_heads
+    chunk = min(chunk, S)
+    q = q.reshape(B, T, kv_heads, G, D).transpose(0, 2, 1, 3, 4).reshape(B, kv_heads, T * G, D)
+    q_pos = jnp.repeat(q_positions, G, axis=1)[:, None, :, None]  # [B, 1, T*G, 1], rows (t, g) like q's
+    num_chunks = jnp.minimum(jnp.max(q_positions) // chunk + 1, -(-S // chunk))
+    f32 = jnp.float32
+
+    def visit(c, state):
+        running_max, denom, acc = state
+        start = jnp.minimum(c * chunk, S - chunk)  # the last chunk ends at S and overlaps the one before,
+        k_c = jax.lax.dynamic_slice_in_dim(k, start, chunk, axis=2)
+        v_c = jax.lax.dynamic_slice_in_dim(v, start, chunk, axis=2)
+        scores = jnp.einsum("bkqd,bksd->bkqs", q, k_c, preferred_element_type=f32) / np.sqrt(D)
+        key_pos = start + jnp.arange(chunk, dtype=jnp.int32)
+        fresh = key_pos >= c * chunk  # so keys an earlier chunk already counted are masked
+        scores = jnp.where(fresh & (key_pos <= q_pos), scores, -1e30)
+        new_max = jnp.maximum(running_max, scores.max(-1, keepdims=True))
+        probs = jnp.exp(scores - new_max)  # chunk 0 always holds key 0, so new_max is finite from then on
+        rescale = jnp.exp(running_max - new_max)
+        acc = acc * rescale + jnp.einsum("bkqs,bksd->bkqd", probs.astype(v.dtype), v_c, preferred_element_type=f32)
+        return new_max, denom * rescale + probs.sum(-1, keepdims=True), acc
+
+    rows = (B, kv_heads, T * G, 1)
+    init = (jnp.full(rows, -1e30, f32), jnp.zeros(rows, f32), jnp.zeros(rows[:-1] + (D,), f32))
+    _, denom, acc = jax.lax.fori_loop(0, num_chunks, visit, init)
+    out = acc / denom
+    return out.reshape(B, kv_heads, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, H * D).astype(q.dtype)
+
+
+def heads_major(x: jax.Array) -> jax.Array:
+    """[B, T, Hkv, D] (as projected) -> [B, Hkv, T, D] (as cached and attended)."""
+    return x.swapaxes(1, 2)
 
 
 def project_qkv(lp: dict, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array):
@@ -155,28 +276,41 @@ def decoder_layer(lp: dict, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin:
 
 
 def run_layers(params: dict, cfg: ModelConfig, x: jax.Array, cos, sin, attend, carry, tap_layers):
-    """Scan the stacked layers; also collect the residual stream after each tap layer.
+    """Run the decoder layers in the params' layout; also collect the residual stream after each tap
+    layer. `attend(lp, q, k, v, carry, i)` sees layer i (a Python int in the per-layer layout, a
+    traced one under the scan) and the caller's carry (e.g. the KV cache, see `layer_get`).
 
     Tap layer l means "after the l-th decoder layer" (0 = the embeddings), i.e. Hugging Face's
     `hidden_states[l]`. Only the requested layers are kept (not all L of them).
     """
+    def layer(lp, x, carry, i):
+        return decoder_layer(lp, cfg, x, cos, sin, lambda lp, q, k, v: attend(lp, q, k, v, carry, i))
+
+    if layout_of(params) == "per_layer":
+        kept = {0: x}
+        for i, lp in enumerate(params["layers"]):
+            x, carry = layer(lp, x, carry, i)
+            kept[i + 1] = x
+        taps = jnp.stack([kept[t] for t in tap_layers]) if tap_layers else None
+        return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), carry, taps
+
     taps = jnp.zeros((len(tap_layers),) + x.shape, x.dtype) if tap_layers else None
     slot_of = np.full(cfg.num_layers + 1, -1, np.int32)
-    for slot, layer in enumerate(tap_layers):
-        slot_of[layer] = slot
+    for slot, tap in enumerate(tap_layers):
+        slot_of[tap] = slot
     slot_of = jnp.asarray(slot_of)
 
-    def keep(taps, x, layer):
+    def keep(taps, x, i):
         if taps is None:
             return None
-        slot = slot_of[layer]
+        slot = slot_of[i]
         safe = jnp.maximum(slot, 0)
         value = jnp.where(slot >= 0, x, jax.lax.dynamic_index_in_dim(taps, safe, 0, keepdims=False))
         return jax.lax.dynamic_update_index_in_dim(taps, value, safe, 0)
 
     def body(state, lp):
         x, carry, taps, i = state
-        x, carry = decoder_layer(lp, cfg, x, cos, sin, lambda lp, q, k, v: attend(lp, q, k, v, carry, i))
+        x, carry = layer(lp, x, carry, i)
         return (x, carry, keep(taps, x, i + 1), i + 1), None
 
     (x, carry, taps, _), _ = jax.lax.scan(body, (x, carry, keep(taps, x, 0), jnp.int32(0)), params["layers"])
@@ -200,18 +334,15 @@ def forward(
     """
     B, T = tokens.shape
     positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
-    key_pos = jnp.arange(cache.max_len, dtype=jnp.int32)
-    visible = key_pos[None, None, :] <= positions[:, :, None]  # causal over the whole cache
     rows = jnp.arange(B)[:, None]
 
     def attend(lp, q, k_new, v_new, kv, i):
         k_all, v_all = kv
         # Scatter the new keys/values at each row's own positions; past the end is dropped.
-        k_layer = k_all[i].at[rows, positions].set(k_new, mode="drop")
-        v_layer = v_all[i].at[rows, positions].set(v_new, mode="drop")
-        out = attention(q, k_layer, v_layer, visible)
-        return out, (jax.lax.dynamic_update_index_in_dim(k_all, k_layer, i, 0),
-                     jax.lax.dynamic_update_index_in_dim(v_all, v_layer, i, 0))
+        k_layer = layer_get(k_all, i).at[rows, :, positions].set(k_new, mode="drop")
+        v_layer = layer_get(v_all, i).at[rows, :, positions].set(v_new, mode="drop")
+        out = cached_attention(q, k_layer, v_layer, positions)  # causal over the cache
+        return out, (layer_set(k_all, i, k_layer), layer_set(v_all, i, v_layer))
 
     cos, sin = rope_tables(cfg, positions)
     x = params["embed"][tokens].astype(cfg.dtype)
@@ -237,7 +368,7 @@ def forward_packed(
     visible = (slot[None, None, :] <= slot[None, :, None]) & (segment_ids[:, :, None] == segment_ids[:, None, :])
 
     def attend(lp, q, k, v, carry, i):
-        return attention(q, k, v, visible), carry
+        return attention(q, heads_major(k), heads_major(v), visible), carry
 
     cos, sin = rope_tables(cfg, positions)
     x = params["embed"][tokens].astype(cfg.dtype)
@@ -274,7 +405,7 @@ def forward_flat(
     default N). Returns (final-normed hidden [N, d], cache, taps [len(tap_layers), N, d] or None).
     """
     width = tokens.shape[0] if width is None else width
-    R = cache.k.shape[1]
+    R = cache.lengths.shape[0]
     rows = rows.astype(jnp.int32)
     positions = positions.astype(jnp.int32)
     # Padding is routed to row R (out of range) so mode="drop" discards its writes and gathers.
@@ -287,17 +418,15 @@ def forward_flat(
     # is ever materialised.
     slot = jnp.clip(positions - cache.lengths[rows], 0, width - 1)
     padded_pos = cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)[None]  # [R, width]
-    visible = jnp.arange(cache.max_len, dtype=jnp.int32)[None, None, :] <= padded_pos[:, :, None]
 
     def attend(lp, q, k_new, v_new, kv, i):
         k_all, v_all = kv
-        k_layer = k_all[i].at[write_rows, positions].set(k_new[0], mode="drop")  # [R, S, Hkv, D]
-        v_layer = v_all[i].at[write_rows, positions].set(v_new[0], mode="drop")
+        k_layer = layer_get(k_all, i).at[write_rows, :, positions].set(k_new[0], mode="drop")  # [R, Hkv, S, D]
+        v_layer = layer_get(v_all, i).at[write_rows, :, positions].set(v_new[0], mode="drop")
         q_padded = jnp.zeros((R, width) + q.shape[2:], q.dtype).at[write_rows, slot].set(q[0], mode="drop")
-        out = attention(q_padded, k_layer, v_layer, visible)  # [R, width, H*D]
+        out = cached_attention(q_padded, k_layer, v_layer, padded_pos)  # [R, width, H*D]
         out = out.at[write_rows, slot].get(mode="fill", fill_value=0)[None]  # back to [1, N, H*D]
-        return out, (jax.lax.dynamic_update_index_in_dim(k_all, k_layer, i, 0),
-                     jax.lax.dynamic_update_index_in_dim(v_all, v_layer, i, 0))
+        return out, (layer_set(k_all, i, k_layer), layer_set(v_all, i, v_layer))
 
     cos, sin = rope_tables(cfg, positions[None])  # the flat tokens as one [1, N] "row"
     x = params["embed"][tokens[None]].astype(cfg.dtype)

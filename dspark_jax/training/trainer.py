@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from dspark_jax import sharding
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.errors import UserError
+from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.training.config import TrainConfig, config_to_dict
 from dspark_jax.training.losses import chain_acceptance_metrics, dspark_loss
@@ -219,7 +220,7 @@ class Trainer:
         opt_sh = optax.tree_utils.tree_map_params(self.optimizer, lambda _, s: s, abstract_opt, p_sh,
                                                   transform_non_params=lambda _: replicated)
         self.state_shardings = TrainState(replicated, p_sh, opt_sh)
-        self.target_shardings = sharding.param_shardings(self.mesh, target.config)
+        self.target_shardings = sharding.param_shardings(self.mesh, target.config, decoder.layout_of(target.params))
         self.target_params = jax.device_put(target.params, self.target_shardings)
         self.batch_sharding = NamedSharding(self.mesh, sharding.logical_spec(
             self.mesh, ("batch",), (cfg.data.rows * cfg.optim.grad_accum,)))
