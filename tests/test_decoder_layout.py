@@ -20,7 +20,7 @@ TAPS = (0, 1, 3)
 @pytest.fixture(scope="module")
 def params():
     stacked = decoder.init_params(CFG, jax.random.key(0), scale=0.2)
-    return {"stacked": stacked, "per_layer": decoder.with_layout(stacked, "per_layer")}
+    return {"stacked": stacked, "per_layer": decoder.with_layout(stacked, CFG, "per_layer")}
 
 
 def cache_layers(cache):
@@ -31,7 +31,7 @@ def cache_layers(cache):
 def test_layout_round_trip_and_structure(params):
     per_layer = params["per_layer"]
     assert decoder.layout_of(per_layer) == "per_layer" and len(per_layer["layers"]) == CFG.num_layers
-    back = decoder.with_layout(per_layer, "stacked")
+    back = decoder.with_layout(per_layer, CFG, "stacked")
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params["stacked"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for layout, p in params.items():  # shapes and logical axes describe the params of each layout
@@ -39,7 +39,7 @@ def test_layout_round_trip_and_structure(params):
         assert shapes == jax.tree.map(tuple, decoder.param_shapes(CFG, layout), is_leaf=sharding.is_spec)
         assert jax.tree.structure(decoder.param_logical_axes(CFG, layout), is_leaf=sharding.is_spec) == jax.tree.structure(p)
     with pytest.raises(ValueError):
-        decoder.with_layout(per_layer, "diagonal")
+        decoder.with_layout(per_layer, CFG, "diagonal")
 
 
 def test_forward_prefill_extend_decode_identical(params):

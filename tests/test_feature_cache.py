@@ -96,7 +96,9 @@ def test_cached_features_equal_online_features(tmp_path):
         for cached, online in ((ctx, online_ctx), (last, online_last)):
             cached = cached.astype(np.float32)
             assert not cached[~present].any()  # zeros at padding
-            np.testing.assert_allclose(cached[present], online[present], rtol=2**-8, atol=1e-6)  # bf16 rounding
+            # One bf16 ulp: the cache and the online path pack rows differently, so float rounding
+            # may tip a value across a bf16 rounding boundary.
+            np.testing.assert_allclose(cached[present], online[present], rtol=2**-7, atol=1e-6)
         checked += int(present.sum())
     assert checked > 0
 

@@ -91,5 +91,5 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str = "float32", layout: str 
 
         cfg, params, tokenizer = load_gguf_model(path, dtype=dtype)
     params = jax.tree.map(lambda a: jnp.asarray(a, dtype=cfg.dtype), params)
-    params = decoder.with_layout(params, layout or decoder.default_layout())
+    params = decoder.with_layout(params, cfg, layout or decoder.default_layout())
     return Target(name, path, cfg, params, tokenizer)

@@ -1,0 +1,155 @@
+"""Where a decoding step's time goes: the target's forward at 1..8 new tokens, and a speculative round
+split into its parts, for each decoder layer layout, in one run.
+
+    python benchmarks/bench_round.py [--layouts per_layer,stacked] [--context 256] [--cache 512] [--repeats 15]
+
+Rows (batch 1, SmolLM2-135M fp32 with the shipped drafter, medians of --repeats, compilation excluded):
+* `forward T=n`: the target's extend pass over n new tokens at --context committed tokens, LM head
+  on the last position, the cache donated (what a plain decode step or a padded verify pass costs);
+* `forward T=1, long`: the same decode step at a context of --long-context tokens;
+* `draft`: the drafter's pass for one row (backbone, head scan, confidence, schedule);
+* `verify + commit`: the verify pass over the anchor + gamma drafts, acceptance, cache commit;
+* `round`: a whole round as the engine runs it (host round trip included).
+The ratio `forward T=8 / forward T=1` is the cost of verifying 7 drafts relative to a plain step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import write_results  # noqa: E402
+
+
+def median_ms(run, make, repeats: int) -> float:
+    """Median wall time of run(*make()) over `repeats` calls after one warm-up; make() is untimed."""
+    import jax
+
+    times = []
+    for i in range(repeats + 1):
+        args = make()
+        jax.block_until_ready(args)
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(*args))
+        if i:
+            times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def forward_ms(target, tokens: int, context: int, cache_len: int, repeats: int) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    from dspark_jax.models import decoder
+
+    cfg, params = target.config, target.params
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(params, cache, new):
+        hidden, cache, _ = decoder.forward(params, cfg, new, cache, jnp.full((1,), tokens, jnp.int32))
+        return jnp.argmax(decoder.logits(params, cfg, hidden[:, -1]), -1), cache
+
+    def make():
+        cache = decoder.cache_for(params, cfg, 1, cache_len)
+        cache = decoder.KVCache(cache.k, cache.v, jnp.full((1,), context, jnp.int32))
+        return params, cache, jnp.ones((1, tokens), jnp.int32)
+
+    return median_ms(step, make, repeats)
+
+
+def round_ms(target, drafter, context: int, repeats: int) -> dict:
+    """Draft, verify + commit and the whole round at batch 1, fixed gamma = the block size, greedy."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspark_jax.engine.speculative import SpecConfig, round_program, spec_draft, spec_prefill, spec_verify
+    from dspark_jax.generate import compiled
+
+    tcfg, dcfg = target.config, drafter.config
+    cfg = SpecConfig(gamma=dcfg.block_size)
+    statics = dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg)
+    max_new = (repeats + 2) * 3 * (cfg.gamma + 1)
+    max_len = context + max_new + cfg.gamma + 1
+    prompt = jnp.asarray([[(7 * i) % 1000 + 10 for i in range(context)]], jnp.int32)
+
+    def fresh():
+        return spec_prefill(target.params, drafter.params, prompt, jnp.array([context], jnp.int32),
+                            jnp.array([max_new], jnp.int32), jax.random.key(0), max_len=max_len, **statics)
+
+    state = fresh()
+    run_draft = compiled(spec_draft, (target.params, drafter.params, state, None), statics)
+    run_verify = compiled(spec_verify, (target.params, drafter.params, state, run_draft.out_info), statics)
+    run_round = round_program(target.params, drafter.params, state, None, **statics)
+    out = {}
+    holder = {"state": fresh()}
+
+    def draft_args():
+        return (target.params, drafter.params, holder["state"], None)
+
+    out["draft"] = median_ms(run_draft, draft_args, repeats)
+
+    def verify(tp, dp, st, drafted):
+        holder["state"], stats = run_verify(tp, dp, st, drafted)
+        return holder["state"]
+
+    holder["state"] = fresh()
+    out["verify + commit"] = median_ms(verify, lambda: draft_args()[:3] + (run_draft(*draft_args()),), repeats)
+
+    def whole(tp, dp, st, temps):
+        holder["state"], _ = run_round(tp, dp, st, temps)
+        return holder["state"]
+
+    holder["state"] = fresh()
+    out["round"] = median_ms(whole, draft_args, repeats)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layouts", default="per_layer,stacked")
+    ap.add_argument("--context", type=int, default=256, help="committed tokens before the measured step")
+    ap.add_argument("--cache", type=int, default=512, help="KV-cache length (positions)")
+    ap.add_argument("--long-context", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    args = ap.parse_args()
+
+    from dspark_jax.checkpoints.registry import default_drafter_path, load_target
+    from dspark_jax.drafters.checkpoint import load_drafter
+
+    results = []
+    for layout in args.layouts.split(","):
+        target = load_target("smollm2-135m", layout=layout)
+        drafter = load_drafter(default_drafter_path("smollm2-135m"), target.config, "smollm2-135m")
+        row = {"layout": layout}
+        for n in (1, 2, 4, 8):
+            row[f"forward T={n}"] = forward_ms(target, n, args.context, args.cache, args.repeats)
+        long_cache = args.long_context + 128
+        row["forward T=1, long"] = forward_ms(target, 1, args.long_context, long_cache, args.repeats)
+        row.update(round_ms(target, drafter, args.context, args.repeats))
+        row["verify 8 / decode 1"] = row["forward T=8"] / row["forward T=1"]
+        results.append(row)
+        print(row, flush=True)
+
+    keys = [k for k in results[0] if k != "layout"]
+    md = ["| ms (batch 1) | " + " | ".join(r["layout"] for r in results) + " |",
+          "|---|" + "---:|" * len(results)]
+    for k in keys:
+        fmt = "{:.2f}x" if k == "verify 8 / decode 1" else "{:.1f}"
+        md.append(f"| {k} | " + " | ".join(fmt.format(r[k]) for r in results) + " |")
+    md.append(f"\nSmolLM2-135M-Instruct fp32, shipped DSpark drafter (gamma = its block size), greedy; context "
+              f"{args.context} tokens in a {args.cache}-position cache (`long`: {args.long_context} in "
+              f"{args.long_context + 128}); medians of {args.repeats}; nothing else ran on the machine.\n")
+    paths = write_results("round", {"rows": results, "context": args.context, "cache": args.cache},
+                          "\n".join(md), **({"directory": args.out} if args.out else {}))
+    print("wrote", *paths)
+
+
+if __name__ == "__main__":
+    main()
