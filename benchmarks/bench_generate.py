@@ -1,6 +1,7 @@
 """Greedy generation throughput: dspark_jax vs transformers `generate`, same machine, same run.
 
     python benchmarks/bench_generate.py [--batch-sizes 1,32] [--new-tokens 128] [--repeats 3]
+    python benchmarks/bench_generate.py --batch-sizes 1 --new-tokens 64,2048 --repeats 1 --skip-transformers --name generate_length
 
 Both sides decode SmolLM2-135M-Instruct (the same Q4_1 GGUF, dequantised to fp32) from the same
 chat-templated prompts for exactly --new-tokens tokens (stop tokens ignored, so the work is equal),
@@ -39,7 +40,9 @@ def load_prompts(n: int) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch-sizes", default="1,32")
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", default="128", help="comma-separated: one row per batch size and length")
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    ap.add_argument("--name", default="generate", help="results file name")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-transformers", action="store_true")
     args = ap.parse_args()
@@ -63,11 +66,12 @@ def main() -> None:
             folder, gguf_file=name, dtype=torch.float32).eval()
 
     rows = []
-    for B in [int(b) for b in args.batch_sizes.split(",")]:
+    cases = [(int(b), int(n)) for b in args.batch_sizes.split(",") for n in args.new_tokens.split(",")]
+    for B, new_tokens in cases:
         encoded = [tok.chat_prompt_ids(p) for p in load_prompts(B)]
 
         def ours():
-            r = generate(target.params, target.config, encoded, max_new_tokens=args.new_tokens)
+            r = generate(target.params, target.config, encoded, max_new_tokens=new_tokens)
             return r.wall_s, r.decode_s, r.compile_s, r.token_ids
 
         def theirs():
@@ -76,8 +80,8 @@ def main() -> None:
             mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
             t = time.perf_counter()
             with torch.no_grad():
-                out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new_tokens,
-                                        min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=hf_tok.pad_token_id)
+                out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=hf_tok.pad_token_id)
             return time.perf_counter() - t, out[:, width:].tolist()
 
         _, _, compile_s, ours_ids = ours()  # warm-up (compiles)
@@ -91,9 +95,9 @@ def main() -> None:
             if hf_model is not None:
                 t, hf_ids = theirs()
                 theirs_t.append(t)
-        n = B * args.new_tokens
-        row = {"batch": B, "new_tokens": args.new_tokens, "ours_tokens_per_s": n / statistics.median(ours_t),
-               "ours_decode_tokens_per_s": B * (args.new_tokens - 1) / statistics.median(ours_decode),
+        n = B * new_tokens
+        row = {"batch": B, "new_tokens": new_tokens, "ours_tokens_per_s": n / statistics.median(ours_t),
+               "ours_decode_tokens_per_s": B * (new_tokens - 1) / statistics.median(ours_decode),
                "ours_compile_s": compile_s}
         if hf_model is not None:
             row["transformers_tokens_per_s"] = n / statistics.median(theirs_t)
@@ -113,7 +117,7 @@ def main() -> None:
     md.append("\nfp32, greedy, SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32) on both sides; "
               "tokens/s = batch x new tokens / wall time of prefill + decode (median of repeats; "
               "our XLA compile time excluded and listed in the JSON).\n")
-    paths = write_results("generate", {"rows": rows}, "\n".join(md))
+    paths = write_results(args.name, {"rows": rows}, "\n".join(md), **({"directory": args.out} if args.out else {}))
     print("wrote", *paths)
 
 

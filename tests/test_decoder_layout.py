@@ -86,7 +86,7 @@ def test_generate_identical(params):
 
 
 @pytest.mark.parametrize("S,chunk", [(64, 16), (72, 16), (40, 64), (136, 32)])
-def test_cached_attention_equals_masked_attention(S, chunk):
+def test_chunked_attention_equals_masked_attention(S, chunk):
     """Chunks that do not divide the cache (the last one overlaps its neighbour) and queries spread
     over the cache, including rows whose queries need a single chunk."""
     rng = np.random.default_rng(S)
@@ -98,12 +98,12 @@ def test_cached_attention_equals_masked_attention(S, chunk):
     q_pos = jnp.asarray(starts[:, None] + np.arange(T)[None], jnp.int32)
     visible = jnp.arange(S)[None, None, :] <= q_pos[:, :, None]
     want = decoder.attention(q, k, v, visible)
-    got = decoder.cached_attention(q, k, v, q_pos, chunk=chunk)
+    got = decoder.chunked_attention(q, k, v, q_pos, chunk=chunk)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
     # Whatever lies past the furthest query (the unwritten cache tail) changes nothing.
     far = int(q_pos.max()) + 1
     k_junk = k.at[:, :, far:].set(1e4)
-    np.testing.assert_allclose(np.asarray(decoder.cached_attention(q, k_junk, v, q_pos, chunk=chunk)),
+    np.testing.assert_allclose(np.asarray(decoder.chunked_attention(q, k_junk, v, q_pos, chunk=chunk)),
                                np.asarray(got), atol=1e-5, rtol=0)
 
 

@@ -248,9 +248,21 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> j
     return out.reshape(B, kv_heads, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, H * D).astype(q.dtype)
 
 
-def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, chunk: int = 256) -> jax.Array:
+def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array) -> jax.Array:
     """Causal attention of queries at absolute `q_positions` [B, T] over a KV cache k, v
-    [B, Hkv, S, D], reading keys only up to the furthest query position.
+    [B, Hkv, S, D]: a key at position s is visible to a query at position t iff s <= t.
+
+    One row reads keys only as far as its furthest query (`chunked_attention`); several rows take
+    one masked pass over the whole cache, since on XLA CPU slicing chunks out of a batch of
+    caches costs more than the keys it skips (measured: 6.7 vs 3.2 ms a layer at 32 rows)."""
+    if q.shape[0] == 1:
+        return chunked_attention(q, k, v, q_positions)
+    visible = jnp.arange(k.shape[2], dtype=jnp.int32)[None, None, :] <= q_positions[:, :, None]
+    return attention(q, k, v, visible)
+
+
+def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, chunk: int = 256) -> jax.Array:
+    """`cache_attention` reading keys only up to the furthest query position.
 
     Keys are visited in chunks (a `fori_loop` with a running softmax), as many as the furthest
     query needs, so a step costs what the context holds, not what the cache could hold: decoding
@@ -295,7 +307,7 @@ def heads_major(x: jax.Array) -> jax.Array:
 
 def project_qkv(lp: dict, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array):
     B, T, _ = x.shape
-    if "wqkv_t" in lp:  # per-layer layout: one matmul for the three projections
+    if "wq" not in lp:  # per-layer layout: one matmul for the three projections
         qkv = linear(lp, "wqkv", x) + (lp["bqkv"] if cfg.qkv_bias else 0)
         q, k, v = jnp.split(qkv, np.cumsum(_fused_widths(cfg)["wqkv"])[:-1], axis=-1)
     else:
@@ -312,7 +324,7 @@ def project_qkv(lp: dict, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin: j
 
 
 def mlp(lp: dict, x: jax.Array) -> jax.Array:
-    if "w_gate_up_t" in lp:  # per-layer layout
+    if "w_gate" not in lp:  # per-layer layout
         gate, up = jnp.split(linear(lp, "w_gate_up", x), 2, axis=-1)
     else:
         gate, up = x @ lp["w_gate"], x @ lp["w_up"]
@@ -396,7 +408,7 @@ def forward(
         # Scatter the new keys/values at each row's own positions; past the end is dropped.
         k_layer = layer_get(k_all, i).at[rows, :, positions].set(k_new, mode="drop")
         v_layer = layer_get(v_all, i).at[rows, :, positions].set(v_new, mode="drop")
-        out = cached_attention(q, k_layer, v_layer, positions)  # causal over the cache
+        out = cache_attention(q, k_layer, v_layer, positions)
         return out, (layer_set(k_all, i, k_layer), layer_set(v_all, i, v_layer))
 
     cos, sin = rope_tables(cfg, positions)
@@ -479,7 +491,7 @@ def forward_flat(
         k_layer = layer_get(k_all, i).at[write_rows, :, positions].set(k_new[0], mode="drop")  # [R, Hkv, S, D]
         v_layer = layer_get(v_all, i).at[write_rows, :, positions].set(v_new[0], mode="drop")
         q_padded = jnp.zeros((R, width) + q.shape[2:], q.dtype).at[write_rows, slot].set(q[0], mode="drop")
-        out = cached_attention(q_padded, k_layer, v_layer, padded_pos)  # [R, width, H*D]
+        out = cache_attention(q_padded, k_layer, v_layer, padded_pos)  # [R, width, H*D]
         out = out.at[write_rows, slot].get(mode="fill", fill_value=0)[None]  # back to [1, N, H*D]
         return out, (layer_set(k_all, i, k_layer), layer_set(v_all, i, v_layer))
 
