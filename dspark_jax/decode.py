@@ -114,19 +114,22 @@ _TABLES: dict = {}  # SPS tables this process loaded or profiled, by file: read 
 def sps_table(args, target, dcfg, dparams, gamma, max_len, buckets):
     """Load the SPS table (round cost per verify bucket: the drafter's pass + the target's verify)
     for this device, target, drafter, batch size, gamma and KV-cache length, or profile and save it.
-    The cache length matters: attention runs over the whole cache, so on a small target it is a
-    large part of a round (a table profiled at 512 positions overstates what extra verify tokens
-    cost at 256)."""
+    The cache length matters: attention over a batch runs over the whole cache, so on a small
+    target it is a large part of a round (a table profiled at 512 positions overstates what extra
+    verify tokens cost at 256)."""
     import os
 
     from dspark_jax.engine.speculative import profile_verify
     from dspark_jax.engine.sps import device_kind, load_sps_table, save_sps_table
+    from dspark_jax.models import decoder
 
     # The draft cost is part of a round: the table belongs to the drafter's shape as well as the target's.
+    # So does the decoder's layer layout: its costs differ (models/decoder.py).
     drafter = f"{dcfg.kind}-{dcfg.num_layers}L-{dcfg.head}-d{dcfg.hidden_size}"
-    model = (f"{target.name}:{target.config.num_layers}x{target.config.hidden_size}:{target.config.dtype}+{drafter}"
-             f":kv{max_len}")
-    path = args.sps_table or os.path.join(".dspark_cache", f"sps_{target.name}_{drafter}_"
+    layout = decoder.layout_of(target.params)
+    model = (f"{target.name}:{target.config.num_layers}x{target.config.hidden_size}:{target.config.dtype}:{layout}"
+             f"+{drafter}:kv{max_len}")
+    path = args.sps_table or os.path.join(".dspark_cache", f"sps_{target.name}_{layout}_{drafter}_"
                                           f"{device_kind().replace(' ', '_')}_b{args.batch_size}_g{gamma}_kv{max_len}.json")
     if path in _TABLES:
         return _TABLES[path]

@@ -85,3 +85,18 @@ def tiny_target_folder(tiny_hf_model):
     if not os.path.exists(os.path.join(folder, "tokenizer.json")):
         save_tiny_tokenizer(folder)
     return folder
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Free each test module's compiled XLA programs when it ends. XLA CPU maps every compiled
+    kernel into memory separately, and a whole suite's worth of per-layer programs outgrows the
+    kernel's limit on memory mappings (vm.max_map_count, 65,530 by default), after which a compile
+    crashes."""
+    yield
+    import jax
+
+    from dspark_jax.generate import _COMPILED
+
+    _COMPILED.clear()
+    jax.clear_caches()
