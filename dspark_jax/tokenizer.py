@@ -24,6 +24,12 @@ the original model, we follow the original model:
 "default" and "gpt-2" use GPT-2's byte-level regex, like transformers (llama.cpp's "default"
 splitting is its own and matches no Hugging Face tokenizer). Sentencepiece ("llama") GGUF
 vocabularies are not supported.
+
+Text from the outside world (argv, prompt files, JSON escapes) need not be valid Unicode: Python
+carries undecodable argv/file bytes as lone surrogates (surrogateescape) and JSON may hold a lone
+`\\udXXX` escape. `clean_text` turns every such byte or surrogate into U+FFFD, the replacement most
+tools use (Python's errors="replace", transformers' decode); every encode goes through it, so no
+prompt can crash a tokenizer, and the prompt echoed back is the text that was tokenised.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 from datetime import datetime
 from typing import Any, Iterable, Sequence
 
@@ -181,7 +188,7 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, with no BOS/EOS added (chat templates write their own)."""
-        return self.backend.encode(text, add_special_tokens=False).ids
+        return self.backend.encode(clean_text(text), add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -195,11 +202,23 @@ class Tokenizer:
         """Prompt ids for one user turn: the chat template if there is one, else the plain text
         with whatever special tokens the tokenizer itself adds (e.g. a BOS)."""
         if self.chat_template is None:
-            return self.backend.encode(user_text, add_special_tokens=True).ids
+            return self.backend.encode(clean_text(user_text), add_special_tokens=True).ids
         return self.encode(self.apply_chat_template([{"role": "user", "content": user_text}]))
 
 
 # -------------------------------------------------------------------- chat templates
+
+
+# Surrogates surrogateescape does not produce (it maps bytes 0x80-0xFF to U+DC80-U+DCFF).
+_FOREIGN_SURROGATES = re.compile("[\ud800-\udc7f\udd00-\udfff]")
+
+
+def clean_text(text: str) -> str:
+    """`text` as valid Unicode: undecodable bytes (surrogate-escaped) and lone surrogates -> U+FFFD."""
+    if text.isascii():
+        return text
+    text = _FOREIGN_SURROGATES.sub("\ufffd", text)
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def render_chat_template(template: str, messages: Sequence[dict], add_generation_prompt: bool = True,

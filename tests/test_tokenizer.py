@@ -9,7 +9,7 @@ import pytest
 
 from dspark_jax.checkpoints.gguf import open_gguf
 from dspark_jax.errors import UserError
-from dspark_jax.tokenizer import Tokenizer
+from dspark_jax.tokenizer import Tokenizer, clean_text
 
 TEXTS = [
     "Hello, world! This is a test.",
@@ -225,6 +225,29 @@ def test_chat_prompt_ids(gguf_pair, hf_folder_pair):
     ours = gguf_pair[0]
     plain = Tokenizer(ours.backend, None, ours.special_tokens, ours.eos_token_ids)
     assert plain.chat_prompt_ids("Name 3 colours.") == ours.encode("Name 3 colours.")
+
+
+# Text that is not valid Unicode, as Python hands it over: undecodable argv / file bytes as
+# surrogate escapes (os.fsdecode), a lone surrogate from a JSON "\\ud800" escape.
+NOT_UNICODE = {
+    "latin-1 byte in argv": (os.fsdecode(b"caf\xe9 au lait"), "caf\ufffd au lait"),
+    "truncated utf-8 sequence": (os.fsdecode(b"ok \xe6\x97"), "ok \ufffd"),  # one per maximal invalid subpart
+    "lone high surrogate (JSON)": (json.loads('"a\\ud800b"'), "a\ufffdb"),
+    "lone low surrogate (JSON)": (json.loads('"x\\udfffy"'), "x\ufffdy"),
+    "valid utf-8 via argv": (os.fsdecode("naïve 日本".encode()), "naïve 日本"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NOT_UNICODE))
+def test_text_that_is_not_unicode_becomes_replacement_characters(gguf_pair, name):
+    raw, want = NOT_UNICODE[name]
+    assert clean_text(raw) == want
+    ours = gguf_pair[0]
+    # Every way text enters a tokenizer accepts it and tokenises the replaced text.
+    assert ours.encode(raw) == ours.encode(want)
+    assert ours.chat_prompt_ids(raw) == ours.chat_prompt_ids(want)
+    plain = Tokenizer(ours.backend, None, ours.special_tokens, ours.eos_token_ids)
+    assert plain.chat_prompt_ids(raw) == plain.chat_prompt_ids(want)
 
 
 def test_template_errors_are_user_errors(hf_folder_pair):
