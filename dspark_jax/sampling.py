@@ -40,7 +40,8 @@ def processed_log_probs(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
         return jax.nn.log_softmax(logits, axis=-1)
     if cfg.top_p < 1.0:
         # Keep the smallest set of most likely tokens whose mass reaches top_p (always >= 1 token).
-        probs = jax.nn.softmax(ranked, axis=-1)
+        # Normalised over every token top-k kept, ties at its cutoff included (not just the k ranked).
+        probs = jnp.exp(ranked - jax.nn.logsumexp(jnp.where(logits < ranked[..., -1:], -jnp.inf, logits), -1, keepdims=True))
         mass_before = jnp.cumsum(probs, axis=-1) - probs
         keep = jnp.sum(mass_before < cfg.top_p, axis=-1, keepdims=True)
         cutoff = jnp.take_along_axis(ranked, keep - 1, axis=-1)
