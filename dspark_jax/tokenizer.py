@@ -22,8 +22,24 @@ the original model, we follow the original model:
   as in llama.cpp.
 
 "default" and "gpt-2" use GPT-2's byte-level regex, like transformers (llama.cpp's "default"
-splitting is its own and matches no Hugging Face tokenizer). Sentencepiece ("llama") GGUF
-vocabularies are not supported.
+splitting is its own and matches no Hugging Face tokenizer).
+
+Sentencepiece ("llama") GGUF vocabularies (Gemma, Llama 2, Mistral, Phi-3, ...) become what the
+Hugging Face tokenizer of such a model is: a BPE over the "\u2581"-for-space alphabet with byte
+fallback (characters outside the vocabulary become <0xXX> byte tokens), fed by a space -> "\u2581"
+normalizer or pre-tokenizer. The file has tokens and scores but no merges; the merges are the
+token's splits into two vocabulary tokens, ranked as transformers' GGUF conversion ranks them
+(`_sentencepiece_merges`), which reproduces its tokenizer exactly. By `general.architecture`:
+
+* "gemma", "gemma2", "gemma3": Gemma's tokenizer (no prefix space, every space one "\u2581").
+  llama.cpp stores the whitespace-run tokens as real spaces ("  "); they are respelled "\u2581\u2581"
+  like the original vocabulary, and merges are ranked by position in the file (Gemma's scores do
+  not follow its merge order).
+* "phi3": as transformers rebuilds Phi-3's: a normalizer prepends "\u2581" to each piece of text
+  between added tokens; merges ranked by score.
+* anything else: Llama's tokenizer, "\u2581" prepended to the first piece of the text only
+  (`Metaspace(prepend_scheme="first")`), merges ranked by score. `tokenizer.ggml.add_space_prefix`
+  false turns the prefix off (llama.cpp honours the flag; transformers always prefixes).
 
 Text from the outside world (argv, prompt files, JSON escapes) need not be valid Unicode: Python
 carries undecodable argv/file bytes as lone surrogates (surrogateescape) and JSON may hold a lone
@@ -85,6 +101,10 @@ _GGUF_PRE_TOKENIZERS = {
     "qwen2": _PreTokenizerSpec(_QWEN2_SPLIT, nfc=True),
 }
 
+# Sentencepiece vocabularies: general.architecture -> the Hugging Face tokenizer the model has
+# ("llama" for every other architecture). See the module docstring.
+_SPM_FLAVOURS = {"gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "phi3": "phi3"}
+
 
 class Tokenizer:
     """A fast tokenizer plus chat template and the ids generation needs (EOS set, BOS, PAD)."""
@@ -143,25 +163,36 @@ class Tokenizer:
         kind = meta.get("tokenizer.ggml.model")
         if kind is None:
             raise UserError(f"{source}: no tokenizer in the GGUF metadata (tokenizer.ggml.model is missing)")
-        if kind != "gpt2":
+        if kind not in ("gpt2", "llama"):
             raise UserError(f"{source}: unsupported GGUF tokenizer model {kind!r} "
-                            f"(supported: 'gpt2' byte-level BPE; sentencepiece 'llama' is not)")
+                            f"(supported: 'gpt2' byte-level BPE, 'llama' sentencepiece BPE)")
         tokens = list(meta.get("tokenizer.ggml.tokens") or [])
         if not tokens:
             raise UserError(f"{source}: the GGUF tokenizer has no tokens")
-        pre = meta.get("tokenizer.ggml.pre", "default")
-        if pre not in _GGUF_PRE_TOKENIZERS:
-            raise UserError(f"{source}: unsupported GGUF pre-tokenizer {pre!r} "
-                            f"(supported: {', '.join(sorted(_GGUF_PRE_TOKENIZERS))})")
         types = list(meta.get("tokenizer.ggml.token_type") or [])
         ids = {key: meta.get(f"tokenizer.ggml.{key}_token_id")
                for key in ("bos", "eos", "unknown", "padding", "eot", "eom")}
         for key, i in ids.items():
             if i is not None and not 0 <= i < len(tokens):
                 raise UserError(f"{source}: tokenizer.ggml.{key}_token_id={i} is outside the vocabulary")
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
-        backend = _byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges") or [], types,
-                                  _GGUF_PRE_TOKENIZERS[pre], ids["bos"] if add_bos else None, source)
+        merges = meta.get("tokenizer.ggml.merges") or []
+        # llama.cpp adds a BOS to sentencepiece vocabularies that do not say otherwise.
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+        if kind == "gpt2":
+            pre = meta.get("tokenizer.ggml.pre", "default")
+            if pre not in _GGUF_PRE_TOKENIZERS:
+                raise UserError(f"{source}: unsupported GGUF pre-tokenizer {pre!r} "
+                                f"(supported: {', '.join(sorted(_GGUF_PRE_TOKENIZERS))})")
+            backend = _byte_level_bpe(tokens, merges, types, _GGUF_PRE_TOKENIZERS[pre],
+                                      ids["bos"] if add_bos else None, source)
+        else:  # sentencepiece: tokenizer.ggml.pre does not apply
+            add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+            backend = _sentencepiece_bpe(
+                tokens, list(meta.get("tokenizer.ggml.scores") or []), merges, types,
+                _SPM_FLAVOURS.get(meta.get("general.architecture"), "llama"),
+                bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+                [ids[k] for k in ("bos", "eos", "unknown", "padding")],
+                ids["bos"] if add_bos else None, ids["eos"] if add_eos else None, source)
         names = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
         special = {name: tokens[ids[key]] for name, key in names.items() if ids[key] is not None}
         # llama.cpp stops on EOS and on the end-of-turn / end-of-message tokens when they exist.
@@ -322,13 +353,7 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], types: list[int], spec
     vocab: dict[str, int] = {}
     for i, token in enumerate(tokens):
         vocab.setdefault(token, i)
-    pairs = []
-    for merge in merges:
-        # Split at the first space after the first character, as llama.cpp does.
-        cut = merge.find(" ", 1)
-        if cut < 0:
-            raise UserError(f"{source}: corrupt GGUF merge {merge!r}")
-        pairs.append((merge[:cut], merge[cut + 1:]))
+    pairs = _merge_pairs(merges, source)
     try:
         model = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
                            ignore_merges=spec.ignore_merges)
@@ -358,3 +383,112 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], types: list[int], spec
     backend.add_special_tokens([a for a in added if a.special])
     backend.add_tokens([a for a in added if not a.special])
     return backend
+
+
+def _sentencepiece_bpe(tokens: list[str], scores: list[float], merges: list[str], types: list[int],
+                       flavour: str, space_prefix: bool, named_ids: Sequence[int | None],
+                       bos_to_add: int | None, eos_to_add: int | None, source: str) -> tokenizers.Tokenizer:
+    """The Hugging Face tokenizer of a sentencepiece-BPE model; `flavour`: see the module docstring."""
+    spelled = tokens
+    if flavour == "gemma":
+        # Whitespace-run tokens are real spaces in the file, "\u2581\u2581"... in the original vocabulary.
+        spelled = ["\u2581" * len(t) if t and t.strip(" ") == "" else t for t in tokens]
+    vocab = {token: i for i, token in enumerate(spelled)}  # a repeated token: the last id, as llama.cpp
+    if merges:
+        pairs = _merge_pairs(merges, source)
+    elif flavour == "gemma":
+        pairs = _sentencepiece_merges(vocab, None, len(tokens))
+    else:
+        if len(scores) != len(tokens):
+            raise UserError(f"{source}: the GGUF sentencepiece vocabulary has {len(tokens)} tokens and "
+                            f"{len(scores)} scores (and no merges)")
+        pairs = _sentencepiece_merges(vocab, dict(zip(spelled, scores)), len(tokens))
+    # transformers sets no unknown token for Llama; without one a character that has no byte token
+    # either would vanish (all real vocabularies have the 256 byte tokens, so it never matters).
+    unk_id = named_ids[2]
+    unk = tokens[unk_id] if unk_id is not None else "<unk>" if "<unk>" in vocab else None
+    try:
+        model = models.BPE(vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    except Exception as e:  # noqa: BLE001 - merges naming tokens outside the vocabulary
+        raise UserError(f"{source}: inconsistent GGUF vocabulary/merges: {e}") from None
+    backend = tokenizers.Tokenizer(model)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if flavour == "gemma":
+        # Every space is one "\u2581" and nothing is prepended. (The split is a no-op after the
+        # normalizer; transformers' GemmaTokenizer has it, so the pipeline is the same one.)
+        backend.normalizer = normalizers.Replace(" ", "\u2581")
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous", invert=False)
+    elif flavour == "phi3":
+        replace = normalizers.Replace(" ", "\u2581")
+        backend.normalizer = (normalizers.Sequence([normalizers.Prepend("\u2581"), replace])
+                              if space_prefix else replace)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="\u2581", prepend_scheme="first" if space_prefix else "never", split=False)
+    if flavour != "gemma" and space_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))  # the prepended space
+    backend.decoder = decoders.Sequence(steps)
+    # What `tokenizer(text)` adds, in transformers' form (type ids 0, then 1 for a pair).
+    specials = [(tokens[i], i) for i in (bos_to_add, eos_to_add) if i is not None]
+
+    def sequence(name: str, type_id: int) -> str:
+        around = [f"{tokens[i]}:{type_id}" if i is not None else None for i in (bos_to_add, eos_to_add)]
+        return " ".join(p for p in (around[0], f"${name}:{type_id}", around[1]) if p is not None)
+
+    backend.post_processor = processors.TemplateProcessing(
+        single=sequence("A", 0), pair=f"{sequence('A', 0)} {sequence('B', 1)}", special_tokens=specials)
+    # As for byte-level vocabularies: control tokens (<start_of_turn>, ...) are special added
+    # tokens, user-defined ones ("\n", "[multimodal]", ...) plain added tokens, both matched whole
+    # in the raw text. (Gemma's whitespace runs, "  " in the file, are not: they are respelled.)
+    # The BOS/EOS/UNK/PAD tokens are special whatever their type (Llama's <unk> is "unknown").
+    named = {i for i in named_ids if i is not None}
+    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                for i, t in enumerate(types)
+                                if (t == _CONTROL or i in named) and vocab.get(tokens[i]) == i])
+    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                        for i, t in enumerate(types) if t == _USER_DEFINED and vocab.get(tokens[i]) == i])
+    return backend
+
+
+def _merge_pairs(merges: list[str], source: str) -> list[tuple[str, str]]:
+    pairs = []
+    for merge in merges:
+        # Split at the first space after the first character, as llama.cpp does.
+        cut = merge.find(" ", 1)
+        if cut < 0:
+            raise UserError(f"{source}: corrupt GGUF merge {merge!r}")
+        pairs.append((merge[:cut], merge[cut + 1:]))
+    return pairs
+
+
+def _sentencepiece_merges(vocab: dict[str, int], scores: dict[str, float] | None,
+                          n_tokens: int) -> list[tuple[str, str]]:
+    """The merges a sentencepiece-BPE vocabulary implies: every split of a token into two
+    vocabulary tokens, ranked by the token's score (None: by its position, first best), then
+    longer left part first, then longer right part first (between tokens of equal score), then
+    vocabulary order -- the order of transformers' `generate_merges` with `vocab_scores`, which
+    its GGUF conversion uses.
+
+    About 515,000 merges for Gemma's 262,144 tokens in 1-2 s (2 shared cores): every token is
+    looked at once and, ranked by position, the splits come out in order with no sort."""
+    if scores is None:
+        # vocab iterates in order of first appearance; a repeated token ranks at its last id.
+        order: Iterable[str] = vocab if len(vocab) == n_tokens else sorted(vocab, key=vocab.__getitem__)
+    else:
+        order = vocab
+    pairs: list[tuple[str, str]] = []
+    keys: list[tuple[float, int, int]] = []
+    for token in order:
+        for cut in range(len(token) - 1, 0, -1):  # longer left part first
+            left = token[:cut]
+            if left in vocab:
+                right = token[cut:]
+                if right in vocab:
+                    pairs.append((left, right))
+                    if scores is not None:
+                        keys.append((scores[token], cut, len(right)))
+    if scores is None:
+        return pairs
+    # Best score first; `reverse` keeps equal keys in their original (vocabulary) order.
+    ranked = sorted(range(len(pairs)), key=keys.__getitem__, reverse=True)
+    return [pairs[i] for i in ranked]

