@@ -12,7 +12,6 @@ measure them, so the "after" numbers are out of sample.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -20,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dspark_jax.cli import run_cli
+from dspark_jax.cli import POSITIVE_INT, ArgumentParser, flag, run_cli, setting_flag
 from dspark_jax.errors import UserError
 
 
@@ -66,31 +65,31 @@ def collect_rounds(target, loaded, prompts: list[str], *, max_new_tokens: int, t
 
 @run_cli
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dspark_jax.calibrate", description=__doc__.split("\n")[0])
+    from dspark_jax.sampling import SamplingConfig
+
+    p = ArgumentParser(prog="python -m dspark_jax.calibrate", description=__doc__.split("\n")[0])
     p.add_argument("--drafter", required=True, help="drafter checkpoint folder (updated in place)")
     p.add_argument("--target", default=None, help="target (default: the one recorded in the drafter)")
     p.add_argument("--sets", default="gsm8k,math500,humaneval,mbpp,arena-hard-v2",
                    help="prompt sets; their EVAL split is used")
-    p.add_argument("--limit", type=int, default=16,
+    p.add_argument("--limit", type=POSITIVE_INT, default=16,
                    help="prompts per set: the LAST N of its eval split (`eval` takes the first N, so "
                         "calibration and evaluation prompts stay disjoint while 2N <= the split size)")
     p.add_argument("--save-to", default=None,
                    help="write the calibrated drafter to this folder instead of updating --drafter in place")
     p.add_argument("--storage-dtype", default=None, choices=["float32", "bfloat16"],
                    help="weight storage of the written drafter (default: as loaded; bfloat16 halves the size)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=flag(int, ge=2), default=128)
+    p.add_argument("--temperature", type=setting_flag(SamplingConfig, "temperature"), default=1.0)
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=8)
+    p.add_argument("--seed", type=flag(int, ge=0, lt=2**32), default=0)
     p.add_argument("--out", default=None, help="report folder (default: DRAFTER/calibration)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    if args.limit < 1 or args.max_new_tokens < 2 or args.batch_size < 1:
-        raise UserError("need --limit >= 1, --max-new-tokens >= 2 and --batch-size >= 1")
 
     from dspark_jax.checkpoints.registry import load_target
     from dspark_jax.data.splits import get_split, parse_sets
-    from dspark_jax.drafters.checkpoint import load_drafter, save_drafter
+    from dspark_jax.drafters.checkpoint import load_drafter, read_drafter_config, save_drafter
     from dspark_jax.evaluation.calibration import (
         calibration_report,
         fit_sts,
@@ -98,12 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     from dspark_jax.evaluation.plots import reliability_diagram
 
-    loaded = load_drafter(args.drafter)
-    if not loaded.config.confidence:
+    # Everything checkable without the target is checked before it loads: the drafter's JSON, the sets.
+    if not read_drafter_config(args.drafter).confidence:
         raise UserError("this drafter has no confidence head: nothing to calibrate")
+    prompts = [q for name in parse_sets(args.sets) for q in get_split(name, "eval")[-args.limit:]]
+    loaded = load_drafter(args.drafter)
     target = load_target(args.target or loaded.config.target_name)
     loaded.config.check_target(target.config, target.name)
-    prompts = [q for name in parse_sets(args.sets) for q in get_split(name, "eval")[-args.limit:]]
     logits, accepted, _, _ = collect_rounds(target, loaded, prompts, max_new_tokens=args.max_new_tokens,
                                             temperature=args.temperature, batch_size=args.batch_size,
                                             seed=args.seed, progress=not args.no_progress)

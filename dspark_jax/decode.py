@@ -10,14 +10,16 @@ import argparse
 import json
 import sys
 
-from dspark_jax.cli import read_prompts_file, run_cli
+from dspark_jax.cli import POSITIVE_INT, ArgumentParser, flag, read_prompts_file, run_cli, setting_flag
 from dspark_jax.errors import UserError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from dspark_jax.checkpoints.registry import DEFAULT_TARGET, KNOWN_TARGETS
+    from dspark_jax.engine.speculative import SpecConfig
+    from dspark_jax.sampling import SamplingConfig
 
-    p = argparse.ArgumentParser(prog="python -m dspark_jax.decode", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="python -m dspark_jax.decode", description=__doc__.split("\n")[0])
     p.add_argument("--target", default=DEFAULT_TARGET,
                    help=f"known name ({', '.join(KNOWN_TARGETS)}), Hugging Face folder or .gguf file")
     p.add_argument("--drafter", default="default",
@@ -30,30 +32,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sps-table", default=None,
                    help="SPS table JSON for the dspark schedulers (default: .dspark_cache/, profiled when missing)")
     p.add_argument("--profile-sps", action="store_true", help="re-profile the SPS table even if one exists")
-    p.add_argument("--gamma", type=int, default=None, help="draft tokens per round (default: the drafter's block)")
-    p.add_argument("--threshold", type=float, default=0.5, help="prefix-survival threshold for --scheduler threshold")
+    p.add_argument("--gamma", type=setting_flag(SpecConfig, "gamma"), default=None,
+                   help="draft tokens per round, 1 to the drafter's block size (default: the block size)")
+    p.add_argument("--threshold", type=setting_flag(SpecConfig, "threshold"), default=0.5,
+                   help="prefix-survival threshold in [0, 1] for --scheduler threshold")
     p.add_argument("--compare-ar", action=argparse.BooleanOptionalAction, default=None,
                    help="also run plain target decoding and report the speedup "
                         "(default: on for readable output with a drafter, off with --json)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help='JSONL of {"turns": [...]} (the first turn is used)')
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
+    p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=128)
+    p.add_argument("--temperature", type=setting_flag(SamplingConfig, "temperature"), default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=setting_flag(SamplingConfig, "top_k"), default=0, help="0 = off")
+    p.add_argument("--top-p", type=setting_flag(SamplingConfig, "top_p"), default=1.0, help="in (0, 1]; 1 = off")
+    p.add_argument("--seed", type=flag(int, ge=0, lt=2**32), default=0)
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=8, help="prompts decoded together")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt, no progress bar")
-    args = p.parse_args(argv)
-    if args.max_new_tokens < 1:
-        raise UserError("--max-new-tokens must be at least 1")
-    if args.batch_size < 1:
-        raise UserError("--batch-size must be at least 1")
-    if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
-        raise UserError("need --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1")
-    return args
+    return p.parse_args(argv)
+
+
+def drafter_settings(args, dcfg) -> tuple[str, int]:
+    """(scheduler, gamma) for this drafter: `--scheduler auto` resolved, --gamma and the scheduler
+    checked against what the drafter has (its block size, a confidence head)."""
+    scheduler = auto_scheduler(dcfg, args.batch_size) if args.scheduler == "auto" else args.scheduler
+    gamma = args.gamma or dcfg.block_size
+    if gamma < 1 or (dcfg.kind == "dspark" and gamma > dcfg.block_size):
+        raise UserError(f"--gamma {gamma} must be between 1 and the drafter's block size {dcfg.block_size}")
+    if scheduler in ("threshold", "dspark", "dspark-async") and not dcfg.confidence:
+        raise UserError(f"--scheduler {scheduler} needs a drafter with a confidence head")
+    return scheduler, gamma
 
 
 def load_speculative(args, target):
@@ -66,13 +75,7 @@ def load_speculative(args, target):
 
     loaded = load_drafter(args.drafter, target.config, target.name)
     dcfg = loaded.config
-    if args.scheduler == "auto":
-        args.scheduler = auto_scheduler(dcfg, args.batch_size)
-    gamma = args.gamma or dcfg.block_size
-    if gamma < 1 or (dcfg.kind == "dspark" and gamma > dcfg.block_size):
-        raise UserError(f"--gamma {gamma} must be between 1 and the drafter's block size {dcfg.block_size}")
-    if args.scheduler in ("threshold", "dspark", "dspark-async") and not dcfg.confidence:
-        raise UserError(f"--scheduler {args.scheduler} needs a drafter with a confidence head")
+    args.scheduler, gamma = drafter_settings(args, dcfg)
     dparams = jax.tree.map(lambda a: jnp.asarray(a, target.config.dtype), loaded.params)
     policy = args.scheduler.replace("-", "_")
     # Every policy but "fixed" verifies fewer tokens than R x (gamma + 1): flatten them into buckets.
@@ -181,19 +184,22 @@ def main(argv: list[str] | None = None) -> int:
         if not text.strip():
             raise UserError(f"prompt {i + 1} is empty")
 
-    from dspark_jax.checkpoints.registry import load_target
+    from dspark_jax.checkpoints.registry import default_drafter_path, load_target, resolve_target_path
+    from dspark_jax.drafters.checkpoint import read_drafter_config
     from dspark_jax.generate import generate
     from dspark_jax.sampling import SamplingConfig
 
-    target = load_target(args.target, dtype=args.dtype)
-    tok = target.tokenizer
+    # Everything that can be checked without the target's weights is checked before they load.
+    target_name, _ = resolve_target_path(args.target)
     if args.drafter == "default":
-        from dspark_jax.checkpoints.registry import default_drafter_path
-
-        args.drafter = default_drafter_path(target.name) or "none"
+        args.drafter = default_drafter_path(target_name) or "none"
     if args.compare_ar is None:
         args.compare_ar = args.drafter != "none" and not args.json
     args.batch_size = min(args.batch_size, len(prompts))  # no padding rows, and SPS profiled for real rows
+    if args.drafter != "none":
+        drafter_settings(args, read_drafter_config(args.drafter))  # the drafter's JSON only
+    target = load_target(args.target, dtype=args.dtype)
+    tok = target.tokenizer
     speculative = None if args.drafter == "none" else load_speculative(args, target)
     encoded = [tok.encode(t) if args.raw else tok.chat_prompt_ids(t) for t in prompts]
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)

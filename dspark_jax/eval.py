@@ -24,7 +24,7 @@ import sys
 
 import numpy as np
 
-from dspark_jax.cli import run_cli
+from dspark_jax.cli import POSITIVE_INT, ArgumentParser, flag, run_cli, setting_flag
 from dspark_jax.errors import UserError
 
 DEFAULT_SETS = "gsm8k,math500,humaneval,mbpp,arena-hard-v2"
@@ -46,8 +46,10 @@ class Bench:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from dspark_jax.checkpoints.registry import DEFAULT_TARGET
+    from dspark_jax.engine.speculative import SpecConfig
+    from dspark_jax.sampling import SamplingConfig
 
-    p = argparse.ArgumentParser(prog="python -m dspark_jax.eval", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="python -m dspark_jax.eval", description=__doc__.split("\n")[0])
     p.add_argument("--drafters", required=True,
                    help="comma-separated drafter folders, each optionally labelled NAME=DIR")
     p.add_argument("--baseline", default=None, help="drafter the relative gains refer to (default: the first)")
@@ -58,27 +60,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bench", action="append", default=[], metavar="NAME=PATH[:DOMAIN]",
                    help='extra benchmark: a {"turns": [...]} JSONL file (all of it; domain math, code, chat '
                         f"or {OTHER}, default {OTHER}); repeatable")
-    p.add_argument("--limit", type=int, default=20, help="prompts per benchmark (the first N)")
-    p.add_argument("--gamma", type=int, default=None, help="draft tokens per round (default: each drafter's block)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=POSITIVE_INT, default=20, help="prompts per benchmark (the first N)")
+    p.add_argument("--gamma", type=setting_flag(SpecConfig, "gamma"), default=None,
+                   help="draft tokens per round (default: each drafter's block)")
+    p.add_argument("--max-new-tokens", type=flag(int, ge=2), default=256)
+    p.add_argument("--temperature", type=setting_flag(SamplingConfig, "temperature"), default=1.0,
+                   help="sampling temperature (0 = greedy)")
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=8)
+    p.add_argument("--seed", type=flag(int, ge=0, lt=2**32), default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--thresholds", default=",".join(map(str, DEFAULT_THRESHOLDS)),
                    help="prefix-survival thresholds of the static-threshold sweep")
-    p.add_argument("--bins", type=int, default=10, help="equal-width bins for ECE and reliability diagrams")
+    p.add_argument("--bins", type=POSITIVE_INT, default=10, help="equal-width bins for ECE and reliability diagrams")
     p.add_argument("--out", required=True, help="results folder (eval.json, eval.md, *.png)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    if args.limit < 1:
-        raise UserError(f"--limit must be at least 1, got {args.limit}")
-    if args.max_new_tokens < 2 or args.batch_size < 1 or args.bins < 1:
-        raise UserError("need --max-new-tokens >= 2, --batch-size >= 1 and --bins >= 1")
-    if args.temperature < 0:
-        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.gamma is not None and args.gamma < 1:
-        raise UserError(f"--gamma must be at least 1, got {args.gamma}")
     try:
         args.thresholds = [float(h) for h in args.thresholds.split(",") if h.strip()]
     except ValueError:
@@ -427,11 +423,12 @@ def main(argv: list[str] | None = None) -> int:
     benches = load_benches(args)
 
     from dspark_jax.checkpoints.registry import load_target
-    from dspark_jax.drafters.checkpoint import load_drafter
+    from dspark_jax.drafters.checkpoint import load_drafter, read_drafter_config
     from dspark_jax.evaluation.calibration import to_jsonable
 
+    configs = {label: read_drafter_config(path) for label, path in drafter_paths.items()}  # their JSON only
+    gammas = {label: drafter_gamma(args, label, dcfg) for label, dcfg in configs.items()}
     loaded = {label: load_drafter(path) for label, path in drafter_paths.items()}  # fail fast, before the target
-    gammas = {label: drafter_gamma(args, label, d.config) for label, d in loaded.items()}
     target = load_target(args.target, dtype=args.dtype)
     for d in loaded.values():
         d.config.check_target(target.config, target.name)

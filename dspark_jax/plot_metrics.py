@@ -21,15 +21,15 @@ import argparse
 import os
 import sys
 
-from dspark_jax.cli import run_cli
+from dspark_jax.cli import ArgumentParser, run_cli
 from dspark_jax.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m dspark_jax.plot_metrics",
-                                description="Plot the training curves of a run's metrics.jsonl as PNG files.")
+    p = ArgumentParser(prog="python -m dspark_jax.plot_metrics",
+                       description="Plot the training curves of a run's metrics.jsonl as PNG files.")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
                    help=f"training run folder holding {METRICS_FILE} (or the file)")
     p.add_argument("--out", metavar="DIR", default=None,

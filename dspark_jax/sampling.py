@@ -11,12 +11,17 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.config_checks import setting, validate
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
+    temperature: float = setting(0.0, ge=0)  # 0 = greedy
+    top_k: int = setting(0, ge=0)  # 0 = off
+    top_p: float = setting(1.0, gt=0, le=1)  # 1 = off
+
+    def __post_init__(self):
+        validate(self)
 
     @property
     def greedy(self) -> bool:

@@ -294,22 +294,24 @@ def generate_dataset(target, sets: Sequence[str], split: str, out: str, *, limit
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from dspark_jax.checkpoints.registry import DEFAULT_TARGET
+    from dspark_jax.cli import POSITIVE_INT, ArgumentParser, flag, setting_flag
+    from dspark_jax.sampling import SamplingConfig
 
-    p = argparse.ArgumentParser(prog="python -m dspark_jax.datagen",
-                                description="Regenerate training responses with the target model.")
+    p = ArgumentParser(prog="python -m dspark_jax.datagen",
+                       description="Regenerate training responses with the target model.")
     p.add_argument("--target", default=DEFAULT_TARGET, help="known name, Hugging Face folder or .gguf file")
     p.add_argument("--sets", required=True,
                    help="comma-separated prompt sets (or domains math/code/chat, or all)")
     p.add_argument("--split", default="train", help="train or eval (see dspark_jax/data/splits.py)")
     p.add_argument("--out", required=True, help="output folder (resumed if it holds the same run)")
-    p.add_argument("--limit", type=int, default=None, help="at most N prompts per set (first N in file order)")
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=POSITIVE_INT, default=None, help="at most N prompts per set (first N in file order)")
+    p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=512)
+    p.add_argument("--max-prompt-tokens", type=POSITIVE_INT, default=1024, help="skip longer prompts")
+    p.add_argument("--temperature", type=setting_flag(SamplingConfig, "temperature"), default=0.7)
+    p.add_argument("--top-p", type=setting_flag(SamplingConfig, "top_p"), default=0.8)
+    p.add_argument("--top-k", type=setting_flag(SamplingConfig, "top_k"), default=20)
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=16)
+    p.add_argument("--seed", type=flag(int, ge=0, lt=2**32), default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)

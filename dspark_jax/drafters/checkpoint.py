@@ -16,9 +16,11 @@ import os
 import numpy as np
 
 from dspark_jax.checkpoints.assemble import flatten, nest
+from dspark_jax.checkpoints.hf import FLOAT_DTYPES, safetensors_header
+from dspark_jax.config_checks import ConfigError
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.errors import UserError
-from dspark_jax.models.config import ModelConfig, RopeScaling
+from dspark_jax.models.config import ModelConfig
 
 WEIGHTS = "drafter.safetensors"
 META = "drafter.json"
@@ -72,39 +74,54 @@ class LoadedDrafter:
     storage_dtype: str = "float32"
 
 
-def load_drafter(path: str, target: ModelConfig | None = None, target_name: str = "") -> LoadedDrafter:
-    """Load a drafter folder; with `target`, check that the drafter belongs to it."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
-    meta_path, weights_path = os.path.join(path, META), os.path.join(path, WEIGHTS)
+def _read_meta(path: str) -> tuple[dict, DrafterConfig]:
+    meta_path = os.path.join(path, META)
     if not os.path.isdir(path) or not os.path.exists(meta_path):
         raise UserError(f"no drafter checkpoint at {path} (expected {META} and {WEIGHTS})")
     try:
         with open(meta_path) as f:
             meta = json.load(f)
         raw = dict(meta["config"])
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
         raise UserError(f"corrupt drafter metadata {meta_path}: {e}") from None
-    if raw.get("rope_scaling"):
-        raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
-    raw["target_layer_ids"] = tuple(raw.get("target_layer_ids", ()))
     try:
-        cfg = DrafterConfig(**raw)
+        return meta, DrafterConfig(**raw)  # every field checked (type and range): a bad file is a UserError
+    except ConfigError as e:
+        raise e.within(source=meta_path) from None
     except TypeError as e:
         raise UserError(f"drafter config in {meta_path} does not match this version: {e}") from None
+
+
+def read_drafter_config(path: str) -> DrafterConfig:
+    """Only the DrafterConfig of a drafter folder (its JSON, no weights): cheap, for checks before
+    anything loads."""
+    return _read_meta(path)[1]
+
+
+def load_drafter(path: str, target: ModelConfig | None = None, target_name: str = "") -> LoadedDrafter:
+    """Load a drafter folder; with `target`, check that the drafter belongs to it."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    weights_path = os.path.join(path, WEIGHTS)
+    meta, cfg = _read_meta(path)
+    # The JSON's claimed shapes against the weights file's header, before anything is allocated.
+    header = safetensors_header(weights_path, what="drafter weights")
+    if target is not None:
+        cfg.check_target(target, target_name)
+    want = {k: tuple(v) for k, v in flatten(param_shapes(cfg), ".").items()}
+    have = {k: shape for k, (_, shape) in header.items()}
+    if want != have:
+        diff = sorted(set(want.items()) ^ set(have.items()))[:3]
+        raise UserError(f"drafter weights in {weights_path} do not match its config (first differences: {diff})")
+    odd = sorted(f"{k} ({dtype})" for k, (dtype, _) in header.items() if dtype not in FLOAT_DTYPES)
+    if odd:
+        raise UserError(f"drafter weights in {weights_path} are not floating point: {', '.join(odd[:3])}")
     try:
         flat = load_file(weights_path)
     except (SafetensorError, OSError, ValueError) as e:
         raise UserError(f"corrupt drafter weights {weights_path}: {e}") from None
-    if target is not None:
-        cfg.check_target(target, target_name)
     params = nest({k: np.asarray(v, np.float32) for k, v in flat.items()}, ".")
-    want = {k: tuple(v) for k, v in flatten(param_shapes(cfg), ".").items()}
-    have = {k: tuple(v.shape) for k, v in flat.items()}
-    if want != have:
-        diff = sorted(set(want.items()) ^ set(have.items()))[:3]
-        raise UserError(f"drafter weights in {weights_path} do not match its config (first differences: {diff})")
     temps = meta.get("sts_temperatures")
     return LoadedDrafter(cfg, params, tuple(temps) if temps else None, meta.get("metadata", {}),
                          meta.get("storage_dtype", "float32"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dspark_jax.config_checks import relation, setting, validate
 from dspark_jax.errors import UserError
 from dspark_jax.models.config import ModelConfig, RopeScaling
 
@@ -14,50 +15,60 @@ HEADS = ("markov", "rnn", "none")
 
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
-    kind: str  # "dspark" (DFlash = dspark with head="none", confidence=False) | "eagle3"
+    kind: str = setting(choices=KINDS)  # "dspark" (DFlash = dspark with head="none", confidence=False) | "eagle3"
     # Draft decoder layers (shaped like a Qwen3 layer: RMSNorm, q/k-norm attention with RoPE, SwiGLU).
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
+    num_layers: int = setting(ge=1)
+    hidden_size: int = setting(ge=1)
+    num_heads: int = setting(ge=1)
+    num_kv_heads: int = setting(ge=1)
+    head_dim: int = setting(ge=2)
+    intermediate_size: int = setting(ge=1)
+    vocab_size: int = setting(ge=1)
+    rms_norm_eps: float = setting(1e-6, gt=0)
+    rope_theta: float = setting(10000.0, gt=0)
     rope_scaling: RopeScaling | None = None
-    max_position_embeddings: int = 4096
+    max_position_embeddings: int = setting(4096, ge=1)
     qk_norm: bool = True
     # Target taps: DeepSpec's 0-based decoder-layer ids; our decoder's tap index is id + 1
     # (the residual stream AFTER that layer, Hugging Face's hidden_states[id + 1]).
-    target_layer_ids: tuple[int, ...] = ()
+    target_layer_ids: tuple[int, ...] = setting((), ge=0)
     # DSpark / DFlash
-    block_size: int = 7  # gamma: draft slots per block (slot 0 holds the anchor)
-    mask_token_id: int | None = None  # embedding of this target token id fills the MASK slots
-    head: str = "markov"  # sequential head: "markov" | "rnn" | "none"
-    markov_rank: int = 0  # r; 0 with head="none" is DFlash
+    block_size: int = setting(7, ge=1)  # gamma: draft slots per block (slot 0 holds the anchor)
+    mask_token_id: int | None = setting(None, ge=0)  # embedding of this target token id fills the MASK slots
+    head: str = setting("markov", choices=HEADS)  # sequential head: "markov" | "rnn" | "none"
+    markov_rank: int = setting(0, ge=0)  # r; 0 with head="none" is DFlash
     confidence: bool = True
     confidence_with_markov: bool = True  # confidence input [h; W1[prev]] (else h alone)
     # Eagle3
-    ttt_steps: int = 7  # training-time-test unroll length
-    ttt_decay: float = 0.8  # step loss weights decay**i
+    ttt_steps: int = setting(7, ge=1)  # training-time-test unroll length
+    ttt_decay: float = setting(0.8, gt=0)  # step loss weights decay**i
     # Supervise the TTT passes only at the training pipeline's anchors (the chain from anchor p
     # predicts the same gamma tokens as a DSpark block at p) instead of at every position: the same
     # supervised predictions per step as the block drafters, and ~1/(anchor density) the LM-head cost.
     ttt_at_anchors: bool = False
-    # The target this drafter belongs to (checked at load time).
+    # The target this drafter belongs to (checked at load time; 0 = not recorded).
     target_name: str = ""
-    target_vocab_size: int = 0
-    target_hidden_size: int = 0
-    target_num_layers: int = 0
+    target_vocab_size: int = setting(0, ge=0)
+    target_hidden_size: int = setting(0, ge=0)
+    target_num_layers: int = setting(0, ge=0)
+
+    __relations__ = (
+        relation("markov_rank head", lambda markov_rank, head: head == "none" or markov_rank > 0,
+                 "markov_rank must be at least 1 with head={head!r} (head 'none' has no Markov table)"),
+        relation("num_heads num_kv_heads", lambda num_heads, num_kv_heads: num_heads % num_kv_heads == 0,
+                 "num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"),
+        relation("head_dim", lambda head_dim: head_dim % 2 == 0, "head_dim must be even (RoPE), got {head_dim}"),
+        relation("mask_token_id vocab_size",
+                 lambda mask_token_id, vocab_size: mask_token_id is None or mask_token_id < vocab_size,
+                 "mask_token_id={mask_token_id} is not a token id of the vocabulary ({vocab_size} tokens)"),
+        relation("target_layer_ids target_num_layers",
+                 lambda target_layer_ids, target_num_layers: not target_num_layers
+                 or all(i < target_num_layers for i in target_layer_ids),
+                 "target_layer_ids {target_layer_ids} must be below the target's {target_num_layers} layers"),
+    )
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise UserError(f"unknown drafter kind {self.kind!r} (known: {', '.join(KINDS)})")
-        if self.head not in HEADS:
-            raise UserError(f"unknown sequential head {self.head!r} (known: {', '.join(HEADS)})")
-        if self.head != "none" and self.markov_rank <= 0:
-            raise UserError(f"head={self.head!r} needs markov_rank > 0")
+        validate(self)
 
     @property
     def tap_layers(self) -> tuple[int, ...]:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from dspark_jax.config_checks import setting, validate
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.engine import drafting
 from dspark_jax.engine import scheduler as S
@@ -35,17 +36,23 @@ from dspark_jax.models.config import ModelConfig
 from dspark_jax.sampling import SamplingConfig, processed_log_probs, sample
 
 
+POLICIES = ("fixed", "mtp1", "threshold", "dspark", "dspark_async")
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
-    gamma: int  # draft tokens per round (<= the drafter's block size)
+    gamma: int = setting(ge=1)  # draft tokens per round (<= the drafter's block size)
     sampling: SamplingConfig = SamplingConfig()
-    policy: str = "fixed"  # draft tokens verified per row: fixed | mtp1 | threshold | dspark | dspark_async
-    threshold: float = 0.5  # for policy="threshold": verify while prefix survival >= threshold
-    stop_ids: tuple[int, ...] = ()
+    policy: str = setting("fixed", choices=POLICIES)  # draft tokens verified per row
+    threshold: float = setting(0.5, ge=0, le=1)  # for policy="threshold": verify while prefix survival >= threshold
+    stop_ids: tuple[int, ...] = setting((), ge=0)
     sps: SPSTable | None = None  # verify steps/s per token bucket, for the dspark policies
     # Verify over flattened tokens padded to one of these token buckets (cost follows the schedule;
     # the host picks the bucket between drafting and verification). None: padded [B, gamma+1].
-    verify_buckets: tuple[int, ...] | None = None
+    verify_buckets: tuple[int, ...] | None = setting(None, ge=1)
+
+    def __post_init__(self):
+        validate(self)
 
 
 @jax.tree_util.register_dataclass
@@ -69,9 +76,6 @@ class RoundStats:
     num_draft: jax.Array  # [B] draft tokens verified
     accepted: jax.Array  # [B] draft tokens accepted (tau = accepted + 1)
     confidence_logits: jax.Array  # [B, gamma] raw confidence logits (zeros without a head)
-
-
-POLICIES = ("fixed", "mtp1", "threshold", "dspark", "dspark_async")
 
 
 def schedule(cfg: SpecConfig, confidence_logits: jax.Array | None, temperatures: jax.Array | None,

@@ -12,54 +12,85 @@ A config has five sections (see configs/dspark_smollm2-135m.yaml):
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
+import re
 from typing import Any
 
 import yaml
 
+from dspark_jax import config_checks
+from dspark_jax.config_checks import ConfigError, relation, setting, validate
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.errors import UserError
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.training.losses import LossWeights
 
 
+def _named(key: str) -> config_checks.Relation:
+    return relation(key, lambda **v: bool(v[key].strip()), f"{key} must not be empty")
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     train_dir: str = "data/smollm2-train"
     eval_dir: str = ""
-    rows: int = 4  # B: packed rows per micro-batch
-    seq_len: int = 1024  # S: tokens per packed row
-    blocks_per_row: int = 32  # NB
-    anchors_per_seq: int = 16
-    seed: int = 0
+    rows: int = setting(4, ge=1)  # B: packed rows per micro-batch
+    seq_len: int = setting(1024, ge=4)  # S: tokens per packed row
+    blocks_per_row: int = setting(32, ge=1)  # NB
+    anchors_per_seq: int = setting(16, ge=1)
+    seed: int = setting(0, ge=0, lt=2**32)
     # A folder for the target's features of train_dir (dspark_jax/data/feature_cache.py): built on
     # the first run, then training reads them instead of running the target. None = online (as are
     # null, false, no, off and none, e.g. data.feature_cache=false on the command line).
     feature_cache: str | None = None
 
+    __relations__ = (
+        _named("train_dir"),
+        relation("anchors_per_seq blocks_per_row", lambda anchors_per_seq, blocks_per_row:
+                 anchors_per_seq <= blocks_per_row,
+                 "anchors_per_seq={anchors_per_seq} exceeds blocks_per_row={blocks_per_row}: "
+                 "one sequence's blocks must fit in a row"),
+    )
+
+    def __post_init__(self):
+        validate(self)
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 6e-4
-    warmup_frac: float = 0.04
-    weight_decay: float = 0.0
-    clip_norm: float = 1.0
-    b1: float = 0.9
-    b2: float = 0.95
-    grad_accum: int = 1
-    steps: int = 1000
+    lr: float = setting(6e-4, gt=0)
+    warmup_frac: float = setting(0.04, ge=0, le=1)
+    weight_decay: float = setting(0.0, ge=0)
+    clip_norm: float = setting(1.0, gt=0)
+    b1: float = setting(0.9, ge=0, lt=1)
+    b2: float = setting(0.95, ge=0, lt=1)
+    grad_accum: int = setting(1, ge=1)
+    steps: int = setting(1000, ge=1)
+
+    def __post_init__(self):
+        validate(self)
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     out_dir: str = "runs/dspark"
-    log_every: int = 10
-    save_every: int = 200
-    keep_checkpoints: int = 2
-    eval_every: int = 0  # 0 = only at the end
-    eval_batches: int = 8
-    compute_dtype: str = "bfloat16"  # master weights stay float32
-    mesh: tuple[int, int, int] = (-1, 1, 1)  # (data, fsdp, tensor); -1 = all remaining devices
+    log_every: int = setting(10, ge=1)
+    save_every: int = setting(200, ge=1)
+    keep_checkpoints: int = setting(2, ge=1)
+    eval_every: int = setting(0, ge=0)  # 0 = only at the end
+    eval_batches: int = setting(8, ge=1)
+    compute_dtype: str = setting("bfloat16", choices=("float32", "bfloat16", "float16"))  # master weights: float32
+    mesh: tuple[int, int, int] = setting((-1, 1, 1), ge=-1)  # (data, fsdp, tensor); -1 = all remaining devices
+
+    __relations__ = (
+        _named("out_dir"),
+        relation("mesh", lambda mesh: 0 not in mesh and mesh.count(-1) <= 1,
+                 "mesh {mesh} must hold axis sizes >= 1, and -1 (all remaining devices) at most once"),
+    )
+
+    def __post_init__(self):
+        validate(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +101,16 @@ class TrainConfig:
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
     run: RunConfig = RunConfig()
+
+    __relations__ = (_named("target"),)
+
+    def __post_init__(self):
+        validate(self)
+        try:  # every drafter setting given, before the target supplies the rest
+            drafter = config_checks.check(DrafterConfig, self.drafter, partial=True, section="drafter")
+        except ConfigError as e:
+            raise e.within("drafter.") from None
+        object.__setattr__(self, "drafter", drafter)
 
     def drafter_config(self, target: ModelConfig, target_name: str) -> DrafterConfig:
         """The drafter's layers are shaped like the target's; taps default to 5 evenly spaced layers."""
@@ -84,11 +125,10 @@ class TrainConfig:
             target_hidden_size=target.hidden_size, target_num_layers=target.num_layers)
         for k, v in defaults.items():
             d.setdefault(k, v)
-        d["target_layer_ids"] = tuple(d["target_layer_ids"])
         try:
             return DrafterConfig(**d)
-        except TypeError as e:
-            raise UserError(f"bad drafter section: {e}") from None
+        except ConfigError as e:
+            raise e.within("drafter.", f"drafter for target {target_name}") from None
 
 
 def default_tap_layers(num_layers: int, m: int = 5) -> tuple[int, ...]:
@@ -100,74 +140,113 @@ def default_tap_layers(num_layers: int, m: int = 5) -> tuple[int, ...]:
 
 
 _SECTIONS = {"loss": LossWeights, "data": DataConfig, "optim": OptimConfig, "run": RunConfig}
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
-def _coerce(section: str, cls, values: dict) -> Any:
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        raise UserError(f"unknown {section} setting(s): {', '.join(unknown)} (known: {', '.join(fields)})")
-    out = {}
-    for k, v in values.items():
-        default = getattr(cls(), k)
-        if fields[k].type == "str | None" and (v is False or (isinstance(v, str) and v.lower() == "none")):
-            v = None  # an optional setting switched off: data.feature_cache=false (YAML also: no, off)
-        if fields[k].type in ("str", "str | None") and v is not None:
-            if isinstance(v, bool):  # YAML reads true/false/yes/no/on/off as booleans
-                raise UserError(f"{section}.{k} must be a string, got {str(v).lower()}"
-                                + (" (false, null or none switch it off)" if fields[k].type == "str | None" else ""))
-            if isinstance(v, (dict, list)):
-                raise UserError(f"{section}.{k} must be a string, got {v!r}")
-            v = str(v)  # a path like 2024 parses as a number
-        elif isinstance(default, tuple):
-            v = tuple(v)
-        elif isinstance(default, (int, float)) and not isinstance(default, bool) and isinstance(v, str):
-            try:  # YAML 1.1 reads "1e-3" as a string
-                v = type(default)(float(v)) if isinstance(default, float) else int(v)
-            except ValueError:
-                raise UserError(f"{section}.{k} must be a number, got {v!r}") from None
-        out[k] = v
-    return cls(**out)
+def _yaml(text: str, what: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except Exception as e:  # YAML's scanner, parser and constructors (a date like 2024-13-01: ValueError)
+        raise UserError(f"{what} is not valid YAML: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    if "=" not in text:
-        raise UserError(f"override {text!r} is not key=value (e.g. optim.lr=3e-4)")
-    key, value = text.split("=", 1)
-    parsed = yaml.safe_load(value)
-    if isinstance(parsed, str):  # YAML 1.1 reads "1e-3" as a string
+    """`optim.lr=3e-4` -> (["optim", "lr"], 3e-4): a dotted key, `=`, a YAML value."""
+    key, sep, value = text.partition("=")
+    if not sep or not _KEY.fullmatch(key.strip()):
+        raise UserError(f"override {text!r} is not key=value with a dotted key (e.g. optim.lr=3e-4)")
+    return key.strip().split("."), _yaml(value, f"override {text!r}")
+
+
+def _from_yaml(cls, values: dict, texts: dict[str, str], prefix: str) -> dict:
+    """YAML's readings fitted to the fields' types: a number or a date is text for a string field
+    (an override's own text: out_dir=1.50 stays "1.50"), and YAML 1.1 reads "1e-3" as a string."""
+    types_ = config_checks.hints(cls)
+    out = {}
+    for k, v in values.items():
+        hint = types_.get(k)
+        base = config_checks.unwrap_optional(hint) or hint
+        if base is str and isinstance(v, (int, float, datetime.date)) and not isinstance(v, bool):
+            v = texts.get(prefix + str(k), str(v)).strip()
+        elif base is float and isinstance(v, str):
+            try:
+                v = float(v)
+            except ValueError:
+                pass  # left for the type check to name
+        out[k] = v
+    return out
+
+
+def _section(name: str, raw: dict) -> dict:
+    value = raw.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(name, f"section {name} must be a mapping of settings, got {config_checks.show(value)}")
+    return value
+
+
+def _build(raw: dict, texts: dict[str, str]) -> TrainConfig:
+    unknown = sorted(map(str, set(raw) - {"target", "drafter", *_SECTIONS}))
+    if unknown:
+        raise ConfigError(unknown[0], f"unknown section(s) {', '.join(unknown)} "
+                                      f"(known: target, drafter, {', '.join(_SECTIONS)})")
+    for name in ("target", "drafter"):
+        if name not in raw:
+            raise ConfigError(name, "a config needs a 'target' and a 'drafter' section")
+    sections = {}
+    for name, cls in _SECTIONS.items():
+        values = _from_yaml(cls, _section(name, raw), texts, name + ".")
         try:
-            parsed = float(parsed)
-        except ValueError:
-            pass
-    return key.strip().split("."), parsed
+            sections[name] = cls(**config_checks.check(cls, values, section=name))
+        except ConfigError as e:
+            raise e.within(name + ".") from None
+    top = _from_yaml(TrainConfig, {"target": raw["target"]}, texts, "")
+    drafter = _from_yaml(DrafterConfig, _section("drafter", raw), texts, "drafter.")
+    return TrainConfig(target=top["target"], drafter=drafter, **sections)
 
 
 def load_config(path: str, overrides: list[str] = ()) -> TrainConfig:
+    """The config in YAML file `path` with `key=value` overrides applied, every setting checked.
+
+    A bad setting is a UserError naming the key and where it came from: the file or the override."""
     if not os.path.exists(path):
         raise UserError(f"no such config file: {path}")
     try:
         with open(path) as f:
-            raw = yaml.safe_load(f) or {}
-    except yaml.YAMLError as e:
-        raise UserError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read config file {path}: {e}") from None
+    raw = _yaml(text, path)
+    if raw is None:
+        raw = {}
     if not isinstance(raw, dict):
         raise UserError(f"{path} must be a mapping of sections")
-    for text in overrides:
-        keys, value = parse_override(text)
+    texts: dict[str, str] = {}  # dotted key -> the override text that set it (its value's own text)
+    sources: dict[str, str] = {}
+    for override in overrides:
+        keys, value = parse_override(override)
         node = raw
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
+        for i, k in enumerate(keys[:-1]):
+            if node.get(k) is None:
+                node[k] = {}
+            node = node[k]
             if not isinstance(node, dict):
-                raise UserError(f"override {text!r}: {k} is not a section")
+                raise UserError(f"override {override!r}: {'.'.join(keys[:i + 1])} is not a section")
         node[keys[-1]] = value
-    unknown = sorted(set(raw) - {"target", "drafter", *_SECTIONS})
-    if unknown:
-        raise UserError(f"{path}: unknown section(s) {', '.join(unknown)}")
-    if "target" not in raw or "drafter" not in raw:
-        raise UserError(f"{path} needs a 'target' and a 'drafter' section")
-    sections = {name: _coerce(name, cls, raw.get(name) or {}) for name, cls in _SECTIONS.items()}
-    return TrainConfig(target=str(raw["target"]), drafter=dict(raw["drafter"]), **sections)
+        dotted = ".".join(keys)
+        texts = {k: t for k, t in texts.items() if not (k + ".").startswith(dotted + ".")}  # replaced
+        sources = {k: t for k, t in sources.items() if not (k + ".").startswith(dotted + ".")}
+        texts[dotted], sources[dotted] = override.partition("=")[2], f"override {override!r}"
+    try:
+        return _build(raw, texts)
+    except ConfigError as e:
+        keys = (e.key, *e.related)
+        source = path
+        for dotted, where in sources.items():  # the last override that set (a part of) a named key
+            if any(k == dotted or k.startswith(dotted + ".") or dotted.startswith(k + ".") for k in keys):
+                source = where
+        raise e.within(source=source) from None
 
 
 def config_to_dict(cfg: TrainConfig) -> dict:

@@ -14,13 +14,18 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.config_checks import setting, validate
+
 
 @dataclasses.dataclass(frozen=True)
 class LossWeights:
-    ce: float = 0.1
-    tv: float = 0.9
-    conf: float = 1.0
-    decay: float = 4.0  # g in w_k = exp(-(k-1)/g)
+    ce: float = setting(0.1, ge=0)
+    tv: float = setting(0.9, ge=0)
+    conf: float = setting(1.0, ge=0)
+    decay: float = setting(4.0, gt=0)  # g in w_k = exp(-(k-1)/g)
+
+    def __post_init__(self):
+        validate(self)
 
     @classmethod
     def dflash(cls, decay: float = 4.0) -> "LossWeights":
