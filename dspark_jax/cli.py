@@ -83,7 +83,9 @@ def read_jsonl(path: str, what: str, allow_partial_last: bool = False) -> list[t
     written by a live process (e.g. a training log) and is skipped rather than called corrupt.
     """
     try:
-        with open(path, encoding="utf-8") as f:
+        # Bytes that are not UTF-8 are carried as surrogate escapes; text fields go through
+        # tokenizer.clean_text (`read_prompts_file` does it), so they end as U+FFFD, not a crash.
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
             text = f.read()
     except FileNotFoundError:
         raise UserError(f"no such {what}: {path}") from None
@@ -105,14 +107,23 @@ def read_jsonl(path: str, what: str, allow_partial_last: bool = False) -> list[t
     return rows
 
 
+def prompt_text(text: str) -> str:
+    """A prompt from the outside world (argv, a file) as valid Unicode: bytes that are not UTF-8 and
+    lone surrogates become U+FFFD, as in most tools (`tokenizer.clean_text`). Every command reads
+    prompts through here, so the text echoed back is the text that was tokenised."""
+    from dspark_jax.tokenizer import clean_text  # lazily: --help should not import tokenizers
+
+    return clean_text(text)
+
+
 def read_prompts_file(path: str) -> list[str]:
-    """First user turn of every line of a `{"turns": [...]}` JSONL file."""
+    """First user turn of every line of a `{"turns": [...]}` JSONL file (as `prompt_text`)."""
     prompts = []
     for number, row in read_jsonl(path, "prompts file"):
         turns = row.get("turns") if isinstance(row, dict) else None
         if not turns or not isinstance(turns, list) or not isinstance(turns[0], str):
             raise UserError(f'{path}:{number}: expected {{"turns": ["first user message", ...]}}')
-        prompts.append(turns[0])
+        prompts.append(prompt_text(turns[0]))
     if not prompts:
         raise UserError(f"prompts file {path} holds no prompts")
     return prompts

@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from dspark_jax.cli import POSITIVE_INT, ArgumentParser, flag, read_prompts_file, run_cli, setting_flag
+from dspark_jax.cli import POSITIVE_INT, ArgumentParser, flag, prompt_text, read_prompts_file, run_cli, setting_flag
 from dspark_jax.errors import UserError
 
 
@@ -175,7 +175,7 @@ def request_stats(result) -> list[dict]:
 @run_cli
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    prompts = list(args.prompt)
+    prompts = [prompt_text(p) for p in args.prompt]
     if args.prompts_file:
         prompts += read_prompts_file(args.prompts_file)
     if not prompts:
