@@ -1,8 +1,11 @@
 """Train a drafter: `python -m dspark_jax.train --config configs/dspark_smollm2-135m.yaml [key=value ...]`.
 
 Overrides use dotted keys into the config sections, e.g. `optim.steps=200 run.out_dir=runs/try`.
-`--resume` continues from the latest checkpoint in run.out_dir (bit-for-bit the same run as an
-uninterrupted one). At the end the drafter is exported to run.out_dir/drafter (safetensors + JSON).
+A run folder (run.out_dir) belongs to one run: a new run needs an empty or new folder (`--overwrite`
+replaces the run in it), and `--resume` continues from the latest checkpoint there (bit-for-bit the
+same run as an uninterrupted one) with the config the run started with (run.json; a changed
+schedule, e.g. more optim.steps, needs `--allow-schedule-change` and is recorded in resumes.jsonl).
+At the end the drafter is exported to run.out_dir/drafter (safetensors + JSON).
 """
 
 from __future__ import annotations
@@ -19,7 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dspark_jax.train", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True)
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=3e-4")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--resume", action="store_true", help="continue the run in run.out_dir from its latest checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run in run.out_dir (removes what a run writes there, nothing else)")
+    p.add_argument("--allow-schedule-change", action="store_true",
+                   help="on --resume, accept changed optim.steps / run.* settings (recorded in resumes.jsonl)")
     p.add_argument("--distributed", action="store_true",
                    help="call jax.distributed.initialize() first (multi-host TPU / GPU)")
     p.add_argument("--no-progress", action="store_true")
@@ -35,11 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_jax.checkpoints.registry import load_target
     from dspark_jax.drafters.checkpoint import save_drafter
     from dspark_jax.training.config import config_to_dict
-    from dspark_jax.training.trainer import Trainer
+    from dspark_jax.training.trainer import Trainer, check_run_folder
 
+    folder = dict(resume=args.resume, overwrite=args.overwrite, allow_schedule_change=args.allow_schedule_change)
+    check_run_folder(cfg, **folder)  # before loading anything: fit checks again, then writes
     target = load_target(cfg.target)
     trainer = Trainer(cfg, target)
-    state = trainer.fit(resume=args.resume, progress=not args.no_progress)
+    state = trainer.fit(progress=not args.no_progress, **folder)
     trainer.close()
     if jax.process_index() == 0:
         out = os.path.join(cfg.run.out_dir, "drafter")

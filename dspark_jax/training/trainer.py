@@ -13,14 +13,24 @@ Checkpoints are orbax CheckpointManager saves of {state, grain iterator state, c
 finalises a step by renaming a temporary folder, so a kill at any moment leaves only complete
 checkpoints. `resume=True` continues from the latest one, and because the data order lives in the
 iterator state and the step is deterministic, the resumed run is bit-for-bit the uninterrupted one.
+
+A run folder (run.out_dir) belongs to one run (`check_run_folder`): a fresh run refuses a folder
+that holds anything, `overwrite=True` clears one that holds only what a run writes, and a resume
+compares the folder's run.json (the config it was started with, written atomically at the start)
+with this run's config: model, data and optimisation settings must not change; the schedule
+(`SCHEDULE_KEYS`) may, with `allow_schedule_change=True`, recorded in resumes.jsonl. On resume
+metrics.jsonl is cut back to the restored step, so its records are those of an uninterrupted run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import json
 import os
+import re
+import shutil
 import sys
 import time
 from typing import Any, Callable, Iterator
@@ -37,7 +47,7 @@ from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.errors import UserError
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.training.config import TrainConfig, config_to_dict
+from dspark_jax.training.config import OptimConfig, TrainConfig, config_to_dict
 from dspark_jax.training.losses import chain_acceptance_metrics, dspark_loss
 
 
@@ -49,12 +59,17 @@ class TrainState:
     opt_state: Any
 
 
+def lr_schedule(o: OptimConfig) -> optax.Schedule:
+    """Linear warmup over warmup_frac x steps, then cosine decay to 0 at optim.steps: both depend
+    on optim.steps, so a resume that changes it continues on the new curve (`check_run_folder`)."""
+    warmup = max(1, int(o.warmup_frac * o.steps))
+    return optax.warmup_cosine_decay_schedule(0.0, o.lr, warmup, max(o.steps, warmup + 1), end_value=0.0)
+
+
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     o = cfg.optim
-    warmup = max(1, int(o.warmup_frac * o.steps))
-    schedule = optax.warmup_cosine_decay_schedule(0.0, o.lr, warmup, max(o.steps, warmup + 1), end_value=0.0)
     return optax.chain(optax.clip_by_global_norm(o.clip_norm),
-                       optax.adamw(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay))
+                       optax.adamw(lr_schedule(o), b1=o.b1, b2=o.b2, weight_decay=o.weight_decay))
 
 
 def drafter_functions(dcfg: DrafterConfig):
@@ -193,6 +208,206 @@ def make_train_iterator(cfg: TrainConfig, dcfg: DrafterConfig, source=None):
                            cfg.data.rows * cfg.optim.grad_accum, None)
 
 
+# ---- the run folder: one run's run.json, checkpoints/, metrics.jsonl, resumes.jsonl, drafter/ ----
+
+RUN_FILE, RESUMES_FILE, METRICS_FILE, CHECKPOINTS_DIR = "run.json", "resumes.jsonl", "metrics.jsonl", "checkpoints"
+# Everything a run (and plot_metrics) writes into its folder, temporary files of atomic writes included.
+_RUN_ENTRY = re.compile(r"(run\.json|resumes\.jsonl|metrics\.jsonl|checkpoints|drafter|plots)"
+                        r"|\.(run\.json|resumes\.jsonl|metrics\.jsonl)\.tmp\.\d+|\.overwrite-trash\.\d+")
+_STEP_DIR = re.compile(r"\d+(\.orbax-checkpoint-tmp.*)?")  # orbax step folders, finished or not
+# What a resume may change (with allow_schedule_change): how long it runs and how often it logs,
+# evaluates and saves, and its device layout. Everything else (target, drafter, loss, data, the
+# other optim settings, run.compute_dtype) is what was trained and must stay; run.out_dir is the
+# folder itself, which may have moved.
+SCHEDULE_KEYS = ("optim.steps", "run.log_every", "run.save_every", "run.keep_checkpoints", "run.eval_every",
+                 "run.eval_batches", "run.mesh")
+IGNORED_KEYS = ("run.out_dir",)
+_UNSET = "<unset>"
+
+
+def jsonable_config(cfg: TrainConfig) -> dict:
+    """config_to_dict(cfg) as it reads back from JSON (tuples as lists)."""
+    return json.loads(json.dumps(config_to_dict(cfg), default=str))
+
+
+def config_differences(old: dict, new: dict) -> dict[str, tuple]:
+    """{dotted key: (old value, new value)} of the keys whose values differ between two config
+    dicts (config_to_dict / run.json); a key missing on one side has the value "<unset>"."""
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict) and v:
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    a, b = flat(json.loads(json.dumps(old))), flat(json.loads(json.dumps(new)))
+    return {k: (a.get(k, _UNSET), b.get(k, _UNSET)) for k in sorted(set(a) | set(b))
+            if a.get(k, _UNSET) != b.get(k, _UNSET)}
+
+
+def _describe(diff: dict) -> str:
+    show = lambda v: v if v == _UNSET else json.dumps(v)  # noqa: E731
+    return ", ".join(f"{k} ({show(a)} -> {show(b)})" for k, (a, b) in diff.items())
+
+
+def _names(entries: list[str], limit: int = 6) -> str:
+    return ", ".join(entries[:limit]) + (f" and {len(entries) - limit} more" if len(entries) > limit else "")
+
+
+def _finished_steps(out_dir: str) -> list[int]:
+    """The steps of the folder's finished checkpoints (orbax renames a step's temporary folder to
+    the bare step number when the save is complete; temporary folders are ignored on restore)."""
+    folder = os.path.join(out_dir, CHECKPOINTS_DIR)
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(folder, n)))
+
+
+def stored_run_config(out_dir: str) -> dict | None:
+    """The config the folder's run was started with: run.json, or for a folder written before
+    run.json existed, the config saved in its latest checkpoint; None if there is neither."""
+    path = os.path.join(out_dir, RUN_FILE)
+    sources = [path] + [os.path.join(out_dir, CHECKPOINTS_DIR, str(s), "config", "metadata")
+                        for s in _finished_steps(out_dir)[-1:]]
+    for source in sources:
+        if not os.path.exists(source):
+            continue
+        try:
+            with open(source, encoding="utf-8") as f:
+                record = json.load(f)
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot read the run's config {source}: {e}") from None
+        config = record.get("config") if source == path and isinstance(record, dict) else record
+        if not isinstance(config, dict):
+            raise UserError(f"{source} holds no run config: delete the folder or choose another run.out_dir")
+        return config
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFolderCheck:
+    stored: dict | None  # the config the folder's run was started with (None: this run starts it)
+    changes: dict  # accepted schedule changes, {key: (old, new)}
+
+
+def check_run_folder(cfg: TrainConfig, resume: bool = False, overwrite: bool = False,
+                     allow_schedule_change: bool = False) -> RunFolderCheck:
+    """Whether this run may use cfg.run.out_dir; a one-line UserError if not. Reads only.
+
+    * fresh (neither flag): the folder must not exist or be empty;
+    * overwrite: the folder may hold only what a run writes (`_RUN_ENTRY`; checkpoints/ only orbax
+      step folders), or anything besides that if it holds a run.json; `fit` then removes exactly
+      those entries and nothing else;
+    * resume: a folder without run.json may hold only what a run writes (a run from before run.json
+      existed, or one killed before it wrote any); the stored config (`stored_run_config`) must
+      equal this run's except run.out_dir and, with allow_schedule_change, the SCHEDULE_KEYS.
+    """
+    out = cfg.run.out_dir
+    if resume and overwrite:
+        raise UserError("--resume continues the run in run.out_dir and --overwrite replaces it: pass one of them")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UserError(f"run.out_dir {out} is a file, not a folder")
+    entries = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    foreign = [e for e in entries if not _RUN_ENTRY.fullmatch(e)]
+    has_record = RUN_FILE in entries
+    if overwrite:
+        if foreign and not has_record:
+            raise UserError(f"--overwrite: {out} does not look like a run folder (no {RUN_FILE}; it holds "
+                            f"{_names(foreign)}): clear it yourself or choose another run.out_dir")
+        folder = os.path.join(out, CHECKPOINTS_DIR)
+        others = sorted(n for n in os.listdir(folder) if not _STEP_DIR.fullmatch(n)) if os.path.isdir(folder) else []
+        if others:
+            raise UserError(f"--overwrite: {folder} holds more than checkpoints ({_names(others)}): "
+                            f"clear it yourself or choose another run.out_dir")
+        return RunFolderCheck(None, {})
+    if not resume:
+        if entries:
+            raise UserError(f"run folder {out} is not empty (it holds {_names(entries)}): pass --resume to continue "
+                            f"its run, --overwrite to replace it, or choose another run.out_dir")
+        return RunFolderCheck(None, {})
+    if foreign and not has_record:
+        raise UserError(f"--resume: {out} holds no run (no {RUN_FILE}; it holds {_names(foreign)}): "
+                        f"choose another run.out_dir")
+    stored = stored_run_config(out)
+    if stored is None:
+        return RunFolderCheck(None, {})
+    diff = {k: v for k, v in config_differences(stored, jsonable_config(cfg)).items() if k not in IGNORED_KEYS}
+    fixed = {k: v for k, v in diff.items() if k not in SCHEDULE_KEYS}
+    if fixed:
+        raise UserError(f"cannot resume {out} with another configuration: {_describe(fixed)} differ from the run's "
+                        f"{RUN_FILE}; resume with its settings, or start a new run in another run.out_dir "
+                        f"(or --overwrite this one)")
+    if diff and not allow_schedule_change:
+        raise UserError(f"resuming {out} with a changed schedule: {_describe(diff)}; pass --allow-schedule-change "
+                        f"to accept it (recorded in {RESUMES_FILE})")
+    latest = _finished_steps(out)[-1:]
+    if latest and cfg.optim.steps < latest[0]:
+        raise UserError(f"optim.steps={cfg.optim.steps} is below step {latest[0]}, where the run in {out} "
+                        f"stopped: a resume can only continue it")
+    return RunFolderCheck(stored, diff)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    """Replace `path` by `text` in one rename: readers (and a kill) see the old or the new file."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp.{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def clear_run_folder(out_dir: str) -> None:
+    """Remove what a run wrote into out_dir (only `_RUN_ENTRY` names; `check_run_folder` vetted
+    them): each is first renamed into one trash folder, so a kill part-way leaves no half-deleted
+    checkpoint that would look complete, only the trash, which the next overwrite removes too."""
+    if not os.path.isdir(out_dir):
+        return
+    trash = os.path.join(out_dir, f".overwrite-trash.{os.getpid()}")
+    os.makedirs(trash, exist_ok=True)
+    for name in sorted(os.listdir(out_dir)):
+        if _RUN_ENTRY.fullmatch(name) and os.path.join(out_dir, name) != trash:
+            os.rename(os.path.join(out_dir, name), os.path.join(trash, name))
+    shutil.rmtree(trash)
+
+
+def truncate_metrics(path: str, step: int) -> int:
+    """Cut a run's metrics log back to the records of steps 1..`step` (those of the checkpoint a
+    resume restored), atomically; returns how many lines it dropped. Keeps a record only if it
+    is complete and its step is above the last kept one, so records written again by a resume
+    (logs from before this truncation existed) and a torn last line go too."""
+    if not os.path.exists(path):
+        return 0
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines(keepends=True)
+    kept, last = [], 0
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        s = record.get("step") if isinstance(record, dict) else None
+        if line.endswith("\n") and isinstance(s, int) and last < s <= step:
+            kept.append(line)
+            last = s
+    dropped = sum(1 for line in lines if line.strip()) - len(kept)
+    if dropped:
+        _write_atomic(path, "".join(kept))
+    return dropped
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 class Trainer:
     """Owns the mesh, shardings, jitted step and checkpoint manager of one run."""
 
@@ -201,9 +416,8 @@ class Trainer:
                  progress: bool = True):
         """`data_factory(cfg, dcfg, source)` makes the train iterator from `source`, the ShardSource
         of data.train_dir loaded once here (the feature cache is built from and checked against
-        that same source, so the batches' token_index and the cache always agree)."""
-        import orbax.checkpoint as ocp
-
+        that same source, so the batches' token_index and the cache always agree). Nothing is
+        written to run.out_dir until `fit` (or `save`)."""
         self.cfg, self.target = cfg, target
         self.dcfg = cfg.drafter_config(target.config, target.name)
         self.dcfg.check_target(target.config, target.name)
@@ -232,11 +446,20 @@ class Trainer:
         self.eval_step = jax.jit(make_loss(cfg, self.dcfg, target.config), out_shardings=replicated)
         self.eval_sharding = NamedSharding(self.mesh, sharding.logical_spec(self.mesh, ("batch",), (cfg.data.rows,)))
         self.feature_cache = self._feature_cache(progress) if cfg.data.feature_cache else None
-        os.makedirs(cfg.run.out_dir, exist_ok=True)
-        self.manager = ocp.CheckpointManager(
-            os.path.abspath(os.path.join(cfg.run.out_dir, "checkpoints")),
-            options=ocp.CheckpointManagerOptions(max_to_keep=cfg.run.keep_checkpoints, create=True,
-                                                 enable_async_checkpointing=True))
+        self._manager = None
+
+    @property
+    def manager(self):
+        """The orbax CheckpointManager of run.out_dir/checkpoints, opened on first use. It removes
+        the temporary folders of saves a kill interrupted (orbax never restores those anyway)."""
+        if self._manager is None:
+            import orbax.checkpoint as ocp
+
+            self._manager = ocp.CheckpointManager(
+                os.path.abspath(os.path.join(self.cfg.run.out_dir, CHECKPOINTS_DIR)),
+                options=ocp.CheckpointManagerOptions(max_to_keep=self.cfg.run.keep_checkpoints, create=True,
+                                                     enable_async_checkpointing=True, cleanup_tmp_directories=True))
+        return self._manager
 
     def init_state(self, seed: int = 0) -> TrainState:
         def init(key):
@@ -324,28 +547,83 @@ class Trainer:
             count += 1
         return {f"eval_{k}": (v / max(count, 1)).tolist() for k, v in totals.items()}
 
-    def fit(self, resume: bool = False, stop_after: int | None = None, progress: bool = True) -> TrainState:
-        """Train to optim.steps (or stop after `stop_after` more steps, as an interruption would)."""
+    def claim_run_folder(self, resume: bool, overwrite: bool = False,
+                         allow_schedule_change: bool = False) -> RunFolderCheck:
+        """`check_run_folder`, then (process 0) clear it for an overwrite and write run.json for a
+        new run, atomically."""
         cfg = self.cfg
+        check = check_run_folder(cfg, resume, overwrite, allow_schedule_change)
+        _sync("dspark-run-folder-checked")  # every process checked before process 0 writes
+        if jax.process_index() == 0:
+            if overwrite:
+                clear_run_folder(cfg.run.out_dir)
+            os.makedirs(cfg.run.out_dir, exist_ok=True)
+            if check.stored is None or not os.path.exists(os.path.join(cfg.run.out_dir, RUN_FILE)):
+                _write_atomic(os.path.join(cfg.run.out_dir, RUN_FILE),
+                              json.dumps({"config": jsonable_config(cfg), "started": _now()}, indent=1) + "\n")
+        _sync("dspark-run-folder-claimed")
+        return check
+
+    def _record_resume(self, check: RunFolderCheck, step: int, dropped: int) -> None:
+        """Append the resume to resumes.jsonl; a schedule change also goes into run.json (the run's
+        config from now on), and the learning rate it moves is reported."""
+        cfg, out = self.cfg, self.cfg.run.out_dir
+        record = {"time": _now(), "step": step, "dropped_log_lines": dropped,
+                  "changes": {k: list(v) for k, v in check.changes.items()}}
+        if "optim.steps" in check.changes:
+            try:
+                old = float(lr_schedule(OptimConfig(**check.stored["optim"]))(step))
+            except TypeError:  # a stored optim section of another shape: nothing to compare
+                old = None
+            new = float(lr_schedule(cfg.optim)(step))
+            record["lr_at_step"] = [old, new]
+            if old is not None:
+                print(f"{_describe({'optim.steps': check.changes['optim.steps']})}: the learning rate at step {step} "
+                      f"goes from {old:.3g} to {new:.3g} (warmup and cosine decay span optim.steps)",
+                      file=sys.stderr, flush=True)
+        path = os.path.join(out, RESUMES_FILE)
+        before = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+        _write_atomic(path, before + json.dumps(record) + "\n")
+        if check.changes:
+            with open(os.path.join(out, RUN_FILE), encoding="utf-8") as f:
+                run = json.load(f)
+            _write_atomic(os.path.join(out, RUN_FILE),
+                          json.dumps({**run, "config": jsonable_config(cfg)}, indent=1) + "\n")
+
+    def fit(self, resume: bool = False, stop_after: int | None = None, progress: bool = True,
+            overwrite: bool = False, allow_schedule_change: bool = False) -> TrainState:
+        """Train to optim.steps (or stop after `stop_after` more steps, as an interruption would).
+
+        resume: continue the run in run.out_dir from its latest checkpoint (from step 0 if it has
+        none); otherwise the folder must be empty, or `overwrite` clears it. See check_run_folder."""
+        cfg = self.cfg
+        check = self.claim_run_folder(resume, overwrite, allow_schedule_change)
         state = self.restore_latest() if resume else None
         if state is None:
             state = self.init_state(cfg.data.seed)
         start = int(state.step)
+        if start > cfg.optim.steps:
+            raise UserError(f"optim.steps={cfg.optim.steps} is below step {start}, where the run in "
+                            f"{cfg.run.out_dir} stopped: a resume can only continue it")
         end = cfg.optim.steps if stop_after is None else min(cfg.optim.steps, start + stop_after)
-        log_path = os.path.join(cfg.run.out_dir, "metrics.jsonl")
-        if not resume and os.path.exists(log_path):
-            os.remove(log_path)
+        log_path = os.path.join(cfg.run.out_dir, METRICS_FILE)
+        primary = jax.process_index() == 0
+        if resume and primary:
+            # the records after the restored checkpoint are written again below
+            dropped = truncate_metrics(log_path, start)
+            if check.stored is not None:
+                self._record_resume(check, start, dropped)
         bar = tqdm(total=cfg.optim.steps, initial=start, disable=not progress, desc="train", unit="step")
         rows = cfg.data.rows * cfg.optim.grad_accum
         t_last, blocks = time.perf_counter(), 0
-        with open(log_path, "a") as log:
+        with open(log_path if primary else os.devnull, "a") as log:
             for _ in range(start, end):
                 batch = self.device_batch(self.host_batch(next(self.data)))
                 blocks += int(np.asarray(batch["block_valid"]).sum())
                 state, metrics = self.train_step(state, self.target_params, batch)
                 step = int(state.step)
                 bar.update(1)
-                if step % cfg.run.log_every == 0 or step == end:
+                if step % cfg.run.log_every == 0 or step == cfg.optim.steps:  # not at stop_after
                     now = time.perf_counter()
                     record = {"step": step, **{k: np.asarray(v).tolist() for k, v in metrics.items()},
                               "blocks_per_s": blocks / (now - t_last), "rows": rows}
@@ -362,5 +640,6 @@ class Trainer:
         return state
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+            self._manager.close()
