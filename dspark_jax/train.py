@@ -10,16 +10,15 @@ At the end the drafter is exported to run.out_dir/drafter (safetensors + JSON).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
-from dspark_jax.cli import run_cli
+from dspark_jax.cli import ArgumentParser, run_cli
 
 
 @run_cli
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dspark_jax.train", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="python -m dspark_jax.train", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True)
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=3e-4")
     p.add_argument("--resume", action="store_true", help="continue the run in run.out_dir from its latest checkpoint")
@@ -31,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="call jax.distributed.initialize() first (multi-host TPU / GPU)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    if args.allow_schedule_change and not args.resume:
+        p.error("--allow-schedule-change only applies with --resume")
 
     from dspark_jax.training.config import load_config
 

@@ -88,6 +88,9 @@ CASES = [
     ("train", ["--config", "{C}", "run.out_dir={W}/run", "optim.nesterov=1"], "nesterov", True),
     ("train", ["--config", "{C}", "run.out_dir={W}/run", "optim.lr"], "key=value", True),
     ("train", ["--config", "{C}", "run.out_dir={W}/run", "nosuch.key=1"], "nosuch", True),
+    ("train", ["--config", "{C}", "run.out_dir={W}/run", "--allow-schedule-change"], "--resume", True),
+    ("train", ["--config", "{C}", "--bogus-flag"], "bogus-flag", True),
+    ("train", [], "--config", True),
     # plot_metrics
     ("plot_metrics", ["{W}/no_run"], "no_run", True),
     ("plot_metrics", ["{W}/corrupt_run"], "metrics.jsonl:1", True),
