@@ -14,17 +14,21 @@ Three things differ from a Hugging Face checkpoint:
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
+import struct
 from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from dspark_jax.checkpoints.assemble import NameTable, assemble_params
+from dspark_jax.checkpoints.assemble import NameTable, StoredTensor, assemble_params, check_stored, decoder_claims
 from dspark_jax.errors import UserError
-from dspark_jax.models.config import ModelConfig, RopeScaling
+from dspark_jax.models.config import ModelConfig, RopeScaling, finite_float, positive_int
 from dspark_jax.models.decoder import param_shapes
 from dspark_jax.tokenizer import Tokenizer
 
@@ -58,6 +62,116 @@ GGUF_NAMES: NameTable = [
 _ROPE_FREQS = "rope_freqs.weight"
 
 
+# GGUF metadata value types: scalar sizes in bytes; 8 is a string, 9 an array.
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_TYPE_SIZES = {int(k): v for k, v in GGML_QUANT_SIZES.items()}  # tensor type -> (block, bytes per block)
+# GGUFReader keeps a numpy object per metadata array element: cap them far above any real model
+# (vocabulary, merges and scores together are ~1M entries even for a 256k vocabulary).
+_MAX_ARRAY_ELEMENTS = 1 << 22
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
+def check_gguf_layout(path: str) -> None:
+    """Walk the GGUF header (metadata and tensor infos) with every count and length checked against
+    the file's size, before `GGUFReader` trusts them: a lying array length would otherwise make it
+    loop and allocate per claimed element, and a truncated tensor show up only when read. Reads the
+    header through a memory map; allocates nothing of the claimed sizes."""
+    size = os.path.getsize(path)
+
+    def corrupt(why: str) -> UserError:
+        return UserError(f"corrupt GGUF file {path}: {why}")
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        pos = 4
+        order = "<"
+
+        def take(fmt: str, what: str):
+            nonlocal pos
+            n = struct.calcsize(fmt)
+            if pos + n > size:
+                raise corrupt(f"the file ends at byte {size} inside {what} (truncated file?)")
+            (value,) = struct.unpack_from(order + fmt, buf, pos)
+            pos += n
+            return value
+
+        def skip(n: int, what: str) -> None:
+            nonlocal pos
+            if n > size - pos:
+                raise corrupt(f"{what} claims {n} bytes but only {size - pos} remain (truncated file?)")
+            pos += n
+
+        def string(what: str) -> bytes:
+            n = take("Q", what)
+            start = pos
+            skip(n, what)
+            return bytes(buf[start:pos]) if n <= 256 else b""
+
+        elements = 0
+
+        def value(vtype: int, what: str, depth: int = 0) -> None:
+            nonlocal elements
+            if vtype in _SCALAR_SIZES:
+                skip(_SCALAR_SIZES[vtype], what)
+            elif vtype == _STRING:
+                string(what)
+            elif vtype == _ARRAY and depth < 2:
+                itype, count = take("I", what), take("Q", what)
+                elements += count
+                if elements > _MAX_ARRAY_ELEMENTS:
+                    raise corrupt(f"{what} claims {count} array elements (more than any model has)")
+                if itype in _SCALAR_SIZES:
+                    skip(count * _SCALAR_SIZES[itype], what)
+                else:
+                    for _ in range(count):
+                        value(itype, what, depth + 1)
+            else:
+                raise corrupt(f"{what} has unknown value type {vtype}")
+
+        version = struct.unpack_from("<I", buf, 4)[0] if size >= 8 else 0
+        if size >= 8 and version & 0xFFFF == 0:  # a big-endian file
+            order, version = ">", struct.unpack_from(">I", buf, 4)[0]
+        take("I", "the version")
+        if version not in (2, 3):
+            raise corrupt(f"unsupported GGUF version {version} (supported: 2, 3)")
+        tensor_count, kv_count = take("Q", "the tensor count"), take("Q", "the metadata count")
+        if kv_count > (size - pos) // 13 or tensor_count > (size - pos) // 28:  # their smallest entries
+            raise corrupt(f"it claims {kv_count} metadata entries and {tensor_count} tensors, "
+                          f"more than its {size} bytes can hold")
+        alignment = 32
+        for i in range(kv_count):
+            key = string(f"metadata entry {i}")
+            what = f"metadata {key.decode('utf-8', 'replace') or i}"
+            vtype = take("I", what)
+            if key == b"general.alignment" and vtype == _UINT32:
+                alignment = take("I", what)
+                if alignment == 0 or alignment & (alignment - 1):
+                    raise corrupt(f"general.alignment {alignment} is not a power of two")
+            else:
+                value(vtype, what)
+        infos = []
+        for i in range(tensor_count):
+            name = string(f"tensor info {i}").decode("utf-8", "replace") or str(i)
+            n_dims = take("I", f"tensor {name}")
+            if not 1 <= n_dims <= _MAX_DIMS:
+                raise corrupt(f"tensor {name} claims {n_dims} dimensions (GGUF allows 1 to {_MAX_DIMS})")
+            dims = [take("Q", f"tensor {name}") for _ in range(n_dims)]
+            ttype, offset = take("I", f"tensor {name}"), take("Q", f"tensor {name}")
+            if ttype not in _TYPE_SIZES:
+                raise corrupt(f"tensor {name} has unknown type {ttype}")
+            infos.append((name, dims, ttype, offset))
+        data_start = pos + (-pos) % alignment
+        for name, dims, ttype, offset in infos:
+            block, block_bytes = _TYPE_SIZES[ttype]
+            if dims[0] % block:
+                raise corrupt(f"tensor {name}: {dims[0]} values per row do not fill "
+                              f"{Q(ttype).name} blocks of {block}")
+            end = data_start + offset + math.prod(dims) // block * block_bytes
+            if end > size:
+                raise corrupt(f"tensor {name} of shape {list(reversed(dims))} ({Q(ttype).name}) ends at "
+                              f"byte {end} but the file has {size} (truncated file?)")
+
+
 def open_gguf(path) -> GGUFReader:
     """Open a GGUF file, turning every way it can fail into a one-line UserError."""
     path = os.fspath(path)
@@ -69,6 +183,7 @@ def open_gguf(path) -> GGUFReader:
         magic = f.read(4)
     if magic != b"GGUF":
         raise UserError(f"{path} is not a GGUF file (bad magic bytes {magic!r})")
+    check_gguf_layout(path)
     try:
         return GGUFReader(path)
     # GGUFReader reports truncation and bad fields as whatever numpy raises on the way.
@@ -96,8 +211,8 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], dtype: str =
     """ModelConfig from `{arch}.*` metadata; `tensors` maps name -> loader (for presence checks
     and rope_freqs)."""
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise UserError(f"{source}: unsupported GGUF architecture {arch!r} "
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
+        raise UserError(f"{source}: unsupported GGUF architecture {str(arch)[:40]!r} "
                         f"(supported: {', '.join(sorted(ARCHITECTURES))})")
 
     def key(name: str, default=None):
@@ -106,43 +221,57 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], dtype: str =
             raise UserError(f"{source}: GGUF metadata lacks {arch}.{name}")
         return value
 
+    def size(name: str, default=None) -> int:  # every claimed size: a positive integer
+        return positive_int(key(name, default), f"{arch}.{name}", source)
+
+    def number(name: str, default: float, positive: bool) -> float:
+        return finite_float(key(name, default), f"{arch}.{name}", source, positive=positive)
+
     if key("expert_count", 0):
         raise UserError(f"{source}: mixture-of-experts GGUF models are not supported")
-    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    head_dim = int(key("attention.key_length", hidden // heads))
-    if int(key("attention.value_length", head_dim)) != head_dim:
+    hidden, heads = size("embedding_length"), size("attention.head_count")
+    if meta.get(f"{arch}.attention.key_length") is None and hidden % heads:
+        raise UserError(f"{source}: {arch}.embedding_length {hidden} is not a multiple of "
+                        f"{arch}.attention.head_count {heads}")
+    head_dim = size("attention.key_length", hidden // heads)
+    if size("attention.value_length", head_dim) != head_dim:
         raise UserError(f"{source}: attention.value_length differs from key_length (not supported)")
-    if int(key("rope.dimension_count", head_dim)) != head_dim:
+    if size("rope.dimension_count", head_dim) != head_dim:
         raise UserError(f"{source}: partial rotary embeddings (rope.dimension_count="
                         f"{key('rope.dimension_count')}, head_dim={head_dim}) are not supported")
     kv_heads = key("attention.head_count_kv", heads)
     if isinstance(kv_heads, list):  # some converters write one count per layer
-        if len(set(kv_heads)) != 1:
+        if len(set(map(repr, kv_heads))) != 1:
             raise UserError(f"{source}: per-layer KV head counts are not supported")
         kv_heads = kv_heads[0]
+    kv_heads = positive_int(kv_heads, f"{arch}.attention.head_count_kv", source)
+    if heads % kv_heads:
+        raise UserError(f"{source}: {arch}.attention.head_count {heads} is not a multiple of "
+                        f"{arch}.attention.head_count_kv {kv_heads}")
     scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling_type != "none":
-        raise UserError(f"{source}: unsupported RoPE scaling type {scaling_type!r}")
-    theta = float(key("rope.freq_base", 10000.0))
+        raise UserError(f"{source}: unsupported RoPE scaling type {str(scaling_type)[:40]!r}")
+    theta = number("rope.freq_base", 10000.0, positive=True)
     scaling = None
     if _ROPE_FREQS in tensors:
         scaling = llama3_scaling_from_factors(
             np.asarray(tensors[_ROPE_FREQS](), np.float64).reshape(-1), theta, head_dim, source)
-    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = meta.get(f"{arch}.vocab_size") or (len(tokens) if isinstance(tokens, list) else 0)
     if not vocab:
         raise UserError(f"{source}: cannot tell the vocabulary size ({arch}.vocab_size and tokens missing)")
     family = ARCHITECTURES[arch]
     return ModelConfig(
         family=family,
-        vocab_size=int(vocab),
+        vocab_size=positive_int(vocab, f"{arch}.vocab_size", source),
         hidden_size=hidden,
-        num_layers=int(key("block_count")),
+        num_layers=size("block_count"),
         num_heads=heads,
-        num_kv_heads=int(kv_heads),
+        num_kv_heads=kv_heads,
         head_dim=head_dim,
-        intermediate_size=int(key("feed_forward_length")),
-        max_position_embeddings=int(key("context_length", 4096)),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        intermediate_size=size("feed_forward_length"),
+        max_position_embeddings=size("context_length", 4096),
+        rms_norm_eps=number("attention.layer_norm_rms_epsilon", 1e-6, positive=False),
         rope_theta=theta,
         rope_scaling=scaling,
         # llama.cpp writes output.weight only when the head is not the embedding matrix.
@@ -163,9 +292,9 @@ def llama3_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: int
     low_freq_factor = 1. The fit needs >= 2 in-between frequencies (true of every released
     Llama 3.x); the result is checked against the file.
     """
+    if factors.shape != ((head_dim + 1) // 2,):  # before sizing anything by the claimed head_dim
+        raise UserError(f"{source}: {_ROPE_FREQS} has {factors.size} entries, expected {(head_dim + 1) // 2}")
     inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    if factors.shape != inv.shape:
-        raise UserError(f"{source}: {_ROPE_FREQS} has {factors.size} entries, expected {inv.size}")
     factor = float(factors.max())
     if np.allclose(factors, 1.0, rtol=0, atol=1e-6):
         return None
@@ -210,6 +339,17 @@ def _dequantize(t, source: str) -> np.ndarray:
     return np.asarray(w, np.float32).reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
 
 
+def _claims(cfg: ModelConfig, meta: dict[str, Any]) -> Any:
+    arch = meta.get("general.architecture")
+    keys = {"vocab": f"{arch}.vocab_size" if meta.get(f"{arch}.vocab_size") else "tokenizer.ggml.tokens count",
+            "hidden": f"{arch}.embedding_length", "layers": f"{arch}.block_count",
+            "heads": f"{arch}.attention.head_count", "kv_heads": f"{arch}.attention.head_count_kv",
+            "ffn": f"{arch}.feed_forward_length",
+            "head_dim": f"{arch}.attention.key_length" if meta.get(f"{arch}.attention.key_length")
+            else "head_dim"}
+    return decoder_claims(cfg, "its metadata", keys)
+
+
 def load_gguf_model(path, dtype: str = "float32") -> tuple[ModelConfig, dict, Tokenizer]:
     """Config, float32 parameter pytree and tokenizer of a GGUF file (any supported quantisation
     is dequantised on load)."""
@@ -219,6 +359,10 @@ def load_gguf_model(path, dtype: str = "float32") -> tuple[ModelConfig, dict, To
     loaders = _tensor_loaders(reader, source)
     cfg = config_from_gguf(meta, loaders, dtype=dtype, source=source)  # architecture first
     _check_tensor_types(reader, source)  # fail before minutes of dequantising, not midway
+    # The metadata's claimed shapes against the tensor infos, before any allocation.
+    check_stored(param_shapes(cfg), [StoredTensor(t.name, tuple(int(d) for d in reversed(t.shape.tolist())), source)
+                                     for t in reader.tensors],
+                 GGUF_NAMES, source, ignore=lambda n: n == _ROPE_FREQS, claims=_claims(cfg, meta))
     tokenizer = Tokenizer.from_gguf_metadata(meta, source=source)
     if cfg.family == "llama":  # undo the converter's q/k row permutation (weights and biases)
         heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}

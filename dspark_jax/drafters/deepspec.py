@@ -58,8 +58,9 @@ from typing import Callable
 
 import numpy as np
 
-from dspark_jax.checkpoints.assemble import NameTable, assemble_params
-from dspark_jax.checkpoints.hf import HF_NAMES, iter_safetensors, read_json, safetensors_files
+from dspark_jax.checkpoints.assemble import NameTable, assemble_params, decoder_claims
+from dspark_jax.checkpoints.hf import (HF_KEYS, HF_NAMES, iter_safetensors, read_json, safetensors_files,
+                                       stored_tensors)
 from dspark_jax.drafters import dspark
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.errors import UserError
@@ -114,13 +115,23 @@ def _require(hf: dict, key: str, source: str):
     return hf[key]
 
 
+def _int(value, key: str, source: str, minimum: int) -> int:
+    """A config integer >= minimum, or a one-line UserError (JSON floats, strings and bools refused)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise UserError(f"{source}: {key} must be an integer >= {minimum}, got {str(value)[:40]!r}")
+    return value
+
+
 def drafter_config_fields(hf: dict, source: str) -> dict:
     """DrafterConfig fields every DeepSpec family shares: the draft layers' shape (the config is the
     target's Qwen3 config with num_hidden_layers = draft layers), the taps and the target identity."""
-    layers: ModelConfig = config_from_hf(hf)
+    layers: ModelConfig = config_from_hf(hf, source=source)
     if layers.qkv_bias:
         raise UserError(f"{source}: drafters with attention bias are not supported")
-    ids = tuple(int(i) for i in _require(hf, "target_layer_ids", source))
+    ids = _require(hf, "target_layer_ids", source)
+    if not isinstance(ids, list):
+        raise UserError(f"{source}: target_layer_ids must be a list of layer ids, got {str(ids)[:40]!r}")
+    ids = tuple(_int(i, "target_layer_ids", source, -1) for i in ids)
     if not ids or any(i < -1 for i in ids) or list(ids) != sorted(set(ids)):
         raise UserError(f"{source}: target_layer_ids {list(ids)} must be strictly increasing ids >= -1")
     return dict(
@@ -131,13 +142,11 @@ def drafter_config_fields(hf: dict, source: str) -> dict:
         max_position_embeddings=layers.max_position_embeddings, qk_norm=layers.qk_norm,
         target_layer_ids=ids, target_name=str(hf.get("target_model_name_or_path", "")),
         target_vocab_size=layers.vocab_size, target_hidden_size=layers.hidden_size,
-        target_num_layers=int(_require(hf, "num_target_layers", source)))
+        target_num_layers=_int(_require(hf, "num_target_layers", source), "num_target_layers", source, 1))
 
 
 def dspark_config_from_json(hf: dict, source: str) -> DrafterConfig:
-    rank = int(_require(hf, "markov_rank", source))
-    if rank < 0:
-        raise UserError(f"{source}: markov_rank must be >= 0, got {rank}")
+    rank = _int(_require(hf, "markov_rank", source), "markov_rank", source, 0)
     head = "none"
     if rank > 0:
         head_type = str(_require(hf, "markov_head_type", source)).lower()
@@ -151,8 +160,8 @@ def dspark_config_from_json(hf: dict, source: str) -> DrafterConfig:
         raise UserError(f"{source}: confidence_head_with_markov needs markov_rank > 0")
     return DrafterConfig(
         kind="dspark", **drafter_config_fields(hf, source),
-        block_size=int(_require(hf, "block_size", source)),
-        mask_token_id=int(_require(hf, "mask_token_id", source)),
+        block_size=_int(_require(hf, "block_size", source), "block_size", source, 1),
+        mask_token_id=_int(_require(hf, "mask_token_id", source), "mask_token_id", source, 0),
         head=head, markov_rank=rank, confidence=confidence, confidence_with_markov=with_markov)
 
 
@@ -168,7 +177,10 @@ register_format("dspark", DeepSpecFormat(dspark_config_from_json, dspark.drafter
 
 
 def _format_for(hf: dict, source: str) -> tuple[str, DeepSpecFormat]:
-    archs = hf.get("architectures") or []
+    if not isinstance(hf, dict):
+        raise UserError(f"{source}: expected a JSON object, got {type(hf).__name__}")
+    archs = hf.get("architectures")
+    archs = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
     kind = next((k for a in archs for sub, k in ARCHITECTURE_KINDS.items() if sub in a), None)
     if kind is None:
         raise UserError(f"{source}: not a DeepSpec drafter (architectures {archs}; "
@@ -219,14 +231,22 @@ def load_deepspec_drafter(weights_path: str, config_path: str | None = None, tar
     if target_cfg is not None:
         dcfg.check_target(target_cfg, target_name)
 
+    def ignore(n: str) -> bool:
+        return n.endswith("rotary_emb.inv_freq")
+
+    # Headers first: the config's claimed shapes are checked against the files before any allocation.
+    stored = stored_tensors(files, ignore)  # (the target copies' sizes are bounded by the file too)
+
     def tensors():
         for name, load in iter_safetensors(files):
             if name in TARGET_COPIES:
                 if target_params is not None and target_cfg is not None:
                     _check_target_copy(name, load(), target_params, target_cfg, weights_path)
                 continue
-            yield name, (lambda name=name, load=load: fmt.prepare(name, load()))
+            yield name, load
 
     params = assemble_params(fmt.param_shapes(dcfg), tensors(), fmt.names, dtype=dtype, source=weights_path,
-                             ignore=lambda n: n.endswith("rotary_emb.inv_freq"))
+                             ignore=ignore, prepare=fmt.prepare,
+                             stored=[t for t in stored if t.name not in TARGET_COPIES],
+                             claims=decoder_claims(dcfg.layer_config(), os.path.basename(config_path), HF_KEYS))
     return dcfg, params

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any
 
 import numpy as np
@@ -45,8 +46,16 @@ class ModelConfig:
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise UserError(f"unsupported model family {self.family!r} (supported: {', '.join(FAMILIES)})")
+        # Sizes come from files we do not trust: each must be a positive integer before anything
+        # divides by it or allocates with it (the loaders then check them against the tensors).
+        for name in _SIZE_FIELDS:
+            positive_int(getattr(self, name), name, "model config")
+        for name in ("rms_norm_eps", "rope_theta"):
+            finite_float(getattr(self, name), name, "model config", positive=name == "rope_theta")
         if self.num_heads % self.num_kv_heads:
             raise UserError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise UserError(f"head_dim={self.head_dim} must be even (rotary embeddings rotate pairs)")
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
@@ -69,48 +78,105 @@ class ModelConfig:
         return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+_SIZE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                "intermediate_size", "max_position_embeddings")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def positive_int(value: Any, what: str, source: str) -> int:
+    """`value` as an int, or a one-line UserError naming `what` (JSON floats and bools are refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise UserError(f"{source}: {what} must be a positive integer, got {_shown(value)}")
+    return int(value)
+
+
+def finite_float(value: Any, what: str, source: str, positive: bool = False) -> float:
+    """`value` as a finite float (>= 0; > 0 with `positive`), or a one-line UserError naming `what`."""
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+    if not ok or value < 0 or (positive and value == 0):
+        kind = "a positive" if positive else "a non-negative"
+        raise UserError(f"{source}: {what} must be {kind} finite number, got {_shown(value)}")
+    return float(value)
+
+
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
                   "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
 
-def config_from_hf(hf: dict[str, Any], dtype: str = "float32") -> ModelConfig:
-    """Translate a Hugging Face config.json dict (transformers 4.x or 5.x spelling)."""
-    archs = hf.get("architectures") or []
+def config_from_hf(hf: dict[str, Any], dtype: str = "float32", source: str = "config.json") -> ModelConfig:
+    """Translate a Hugging Face config.json dict (transformers 4.x or 5.x spelling). Every claimed
+    size is checked to be a positive integer here; whether the weights agree is the loader's check."""
+    if not isinstance(hf, dict):
+        raise UserError(f"{source}: expected a JSON object, got {type(hf).__name__}")
+    archs = hf.get("architectures")
+    archs = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+    model_type = hf.get("model_type")
+    model_type = model_type if isinstance(model_type, str) else ""
     family = next((_ARCHITECTURES[a] for a in archs if a in _ARCHITECTURES), None)
     if family is None:
-        family = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}.get(
-            hf.get("model_type", ""))
+        family = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}.get(model_type)
     if family is None:
-        raise UserError(f"unsupported architecture {archs or hf.get('model_type')!r} "
+        raise UserError(f"unsupported architecture {archs or model_type!r} "
                         f"(supported: {', '.join(sorted(_ARCHITECTURES))})")
     if hf.get("hidden_act", "silu") != "silu":
-        raise UserError(f"unsupported activation {hf['hidden_act']!r} (only silu)")
-    rope = dict(hf.get("rope_parameters") or {})  # transformers 5
-    legacy = hf.get("rope_scaling") or {}  # transformers 4
-    rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        raise UserError(f"unsupported activation {_shown(hf['hidden_act'])} (only silu)")
+
+    def size(key: str, default: Any = None) -> int:
+        value = hf.get(key)
+        if value is None:
+            if default is None:
+                raise UserError(f"{source}: lacks {key}")
+            return default
+        return positive_int(value, key, source)
+
+    def number(src: dict, key: str, default: Any = None, positive: bool = True) -> float:
+        value = src.get(key, default)
+        if value is None:
+            raise UserError(f"{source}: lacks {key}")
+        return finite_float(value, key, source, positive=positive)
+
+    rope, legacy = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}  # transformers 5, 4
+    if not isinstance(rope, dict) or not isinstance(legacy, dict):
+        raise UserError(f"{source}: rope_parameters / rope_scaling must be JSON objects")
+    rope_theta = number(rope, "rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
     scaling = None
     if rope_type == "llama3":
         src = rope if rope.get("rope_type") == "llama3" else legacy
-        scaling = RopeScaling(float(src["factor"]), float(src["low_freq_factor"]),
-                              float(src["high_freq_factor"]), int(src["original_max_position_embeddings"]))
+        original = src.get("original_max_position_embeddings")
+        if original is None:
+            raise UserError(f"{source}: lacks original_max_position_embeddings")
+        scaling = RopeScaling(number(src, "factor"), number(src, "low_freq_factor"),
+                              number(src, "high_freq_factor"),
+                              positive_int(original, "original_max_position_embeddings", source))
     elif rope_type != "default":
-        raise UserError(f"unsupported rope_type {rope_type!r} (supported: default, llama3)")
+        raise UserError(f"unsupported rope_type {_shown(rope_type)} (supported: default, llama3)")
     if hf.get("use_sliding_window"):
         raise UserError("sliding-window attention is not supported")
-    heads = hf["num_attention_heads"]
+    hidden, heads = size("hidden_size"), size("num_attention_heads")
+    kv_heads = size("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise UserError(f"{source}: num_attention_heads {heads} is not a multiple of "
+                        f"num_key_value_heads {kv_heads}")
+    if hf.get("head_dim") is None and hidden % heads:
+        raise UserError(f"{source}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
+                        "(and there is no head_dim)")
     return ModelConfig(
         family=family,
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
+        vocab_size=size("vocab_size"),
+        hidden_size=hidden,
+        num_layers=size("num_hidden_layers"),
         num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        intermediate_size=hf["intermediate_size"],
-        max_position_embeddings=hf.get("max_position_embeddings", 4096),
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope_theta),
+        num_kv_heads=kv_heads,
+        head_dim=size("head_dim", hidden // heads),
+        intermediate_size=size("intermediate_size"),
+        max_position_embeddings=size("max_position_embeddings", 4096),
+        rms_norm_eps=number(hf, "rms_norm_eps", 1e-6, positive=False),
+        rope_theta=rope_theta,
         rope_scaling=scaling,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qk_norm=family == "qwen3",
