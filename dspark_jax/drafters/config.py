@@ -31,7 +31,7 @@ class DrafterConfig:
     qk_norm: bool = True
     # Target taps: DeepSpec's 0-based decoder-layer ids; our decoder's tap index is id + 1
     # (the residual stream AFTER that layer, Hugging Face's hidden_states[id + 1]).
-    target_layer_ids: tuple[int, ...] = setting((), ge=0)
+    target_layer_ids: tuple[int, ...] = setting((), ge=-1)  # -1 = the embeddings (DeepSpec)
     # DSpark / DFlash
     block_size: int = setting(7, ge=1)  # gamma: draft slots per block (slot 0 holds the anchor)
     mask_token_id: int | None = setting(None, ge=0)  # embedding of this target token id fills the MASK slots
