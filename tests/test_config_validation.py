@@ -105,7 +105,7 @@ BAD = [  # (key, YAML value, what the message says)
     ("drafter.head_dim", "7", "drafter.head_dim must be even"),
     ("drafter.mask_token_id", "-1", "drafter.mask_token_id must be at least 0, got -1"),
     ("drafter.mask_token_id", "x", "drafter.mask_token_id must be an integer or null, got 'x'"),
-    ("drafter.target_layer_ids", "[1, -7]", "every element of drafter.target_layer_ids must be at least 0"),
+    ("drafter.target_layer_ids", "[1, -7]", "every element of drafter.target_layer_ids must be at least -1"),
     ("drafter.target_layer_ids", "[1, 2.5]", "drafter.target_layer_ids must be a list of integers, got [1, 2.5]"),
     ("drafter.target_layer_ids", "3", "drafter.target_layer_ids must be a list of integers, got 3"),
     ("drafter.ttt_decay", "0", "drafter.ttt_decay must be greater than 0, got 0"),
