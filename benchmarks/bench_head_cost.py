@@ -24,6 +24,55 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import write_results  # noqa: E402
 
 
+HEADS = {"dspark": dict(head="markov", markov_rank=64, confidence=True),  # Markov head (r = 64) + confidence head
+         "dflash": dict(head="none", markov_rank=0, confidence=False)}  # the same drafter without both
+
+
+def head_variant(target, gamma: int, head: dict):
+    """The 2-layer drafter config for `target` with block size `gamma` and the given head settings."""
+    from dspark_jax.training.config import TrainConfig
+
+    return TrainConfig(target="smollm2-135m", drafter=dict(
+        kind="dspark", num_layers=2, block_size=gamma, mask_token_id=16, **head)).drafter_config(
+            target.config, target.name)
+
+
+def time_round_variants(target, prompt, batch: int, gamma: int, variants: dict, rounds: int,
+                        max_new_tokens: int = 4096) -> dict:
+    """Seconds of one speculative round (fixed policy: every row verifies all gamma tokens) for each
+    variant {name: (drafter config, drafter params)}, `rounds` times each after compilation, the
+    variants alternating per repeat so machine noise hits them alike. Every round starts from a
+    fresh prefill of `batch` copies of `prompt` (one warm-up round first)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspark_jax.engine.speculative import SpecConfig, spec_prefill, spec_round
+    from dspark_jax.generate import compiled, pad_prompts
+
+    tcfg = target.config
+    programs, timings = {}, {}
+    for name, (dcfg, dparams) in variants.items():
+        cfg = SpecConfig(gamma=gamma)
+        tokens, lengths, max_len = pad_prompts(tcfg, [prompt] * batch, max_new_tokens, slack=gamma + 1)
+        pre_args = (target.params, dparams, jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32),
+                    jnp.full((batch,), max_new_tokens, jnp.int32), jax.random.key(0))
+        statics = dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg)
+        run_prefill = compiled(spec_prefill, pre_args, dict(statics, max_len=max(max_len, 512)))
+        run_round = compiled(spec_round, (target.params, dparams, run_prefill.out_info, None), statics)
+        programs[name] = (run_prefill, run_round, pre_args, dparams)
+        timings[name] = []
+    for _ in range(rounds):
+        for name, (run_prefill, run_round, pre_args, dparams) in programs.items():
+            state = run_prefill(*pre_args)
+            state, _ = run_round(target.params, dparams, state, None)  # warm the buffers
+            jax.block_until_ready(state)
+            t = time.perf_counter()
+            state, stats = run_round(target.params, dparams, state, None)
+            jax.block_until_ready(stats)
+            timings[name].append(time.perf_counter() - t)
+    return timings
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch-sizes", default="1,8")
@@ -32,46 +81,20 @@ def main() -> None:
     args = ap.parse_args()
 
     import jax
-    import jax.numpy as jnp
 
     from dspark_jax.checkpoints.registry import load_target
     from dspark_jax.drafters.dspark import init_drafter_params
-    from dspark_jax.engine.speculative import SpecConfig, spec_prefill, spec_round
-    from dspark_jax.generate import compiled, pad_prompts
-    from dspark_jax.training.config import TrainConfig
 
     target = load_target("smollm2-135m")
-    tcfg = target.config
     prompt = target.tokenizer.chat_prompt_ids("Write a Python function that checks whether a number is prime.")
     rows = []
     for B in [int(b) for b in args.batch_sizes.split(",")]:
         for gamma in [int(g) for g in args.gammas.split(",")]:
-            timings = {}
-            programs = {}
-            for name, head in (("dspark", dict(head="markov", markov_rank=64, confidence=True)),
-                               ("dflash", dict(head="none", markov_rank=0, confidence=False))):
-                dcfg = TrainConfig(target="smollm2-135m", drafter=dict(
-                    kind="dspark", num_layers=2, block_size=gamma, mask_token_id=16, **head)).drafter_config(
-                        tcfg, target.name)
-                dparams = init_drafter_params(dcfg, jax.random.key(0))
-                cfg = SpecConfig(gamma=gamma)
-                tokens, lengths, max_len = pad_prompts(tcfg, [prompt] * B, 4096, slack=gamma + 1)
-                pre_args = (target.params, dparams, jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32),
-                            jnp.full((B,), 4096, jnp.int32), jax.random.key(0))
-                statics = dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg)
-                run_prefill = compiled(spec_prefill, pre_args, dict(statics, max_len=max(max_len, 512)))
-                run_round = compiled(spec_round, (target.params, dparams, run_prefill.out_info, None), statics)
-                programs[name] = (run_prefill, run_round, pre_args, dparams)
-                timings[name] = []
-            for _ in range(args.rounds):
-                for name, (run_prefill, run_round, pre_args, dparams) in programs.items():
-                    state = run_prefill(*pre_args)
-                    state, _ = run_round(target.params, dparams, state, None)  # warm the buffers
-                    jax.block_until_ready(state)
-                    t = time.perf_counter()
-                    state, stats = run_round(target.params, dparams, state, None)
-                    jax.block_until_ready(stats)
-                    timings[name].append(time.perf_counter() - t)
+            variants = {}
+            for name, head in HEADS.items():
+                dcfg = head_variant(target, gamma, head)
+                variants[name] = (dcfg, init_drafter_params(dcfg, jax.random.key(0)))
+            timings = time_round_variants(target, prompt, B, gamma, variants, args.rounds)
             with_head, without = (statistics.median(timings[n]) for n in ("dspark", "dflash"))
             row = {"batch": B, "gamma": gamma, "round_ms_dspark": 1e3 * with_head, "round_ms_dflash": 1e3 * without,
                    "head_share": (with_head - without) / with_head}

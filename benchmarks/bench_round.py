@@ -16,6 +16,7 @@ The ratio `forward T=8 / forward T=1` is the cost of verifying 7 drafts relative
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import statistics
@@ -42,7 +43,10 @@ def median_ms(run, make, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def forward_ms(target, tokens: int, context: int, cache_len: int, repeats: int) -> float:
+def forward_ms(target, tokens: int, context: int, cache_len: int, repeats: int, batch: int = 1) -> float:
+    """The target's extend pass over `tokens` new tokens per row for `batch` rows at `context`
+    committed tokens (cache donated), LM head and argmax on the last position: a plain decode step
+    for tokens=1."""
     import jax
     import jax.numpy as jnp
 
@@ -52,19 +56,20 @@ def forward_ms(target, tokens: int, context: int, cache_len: int, repeats: int) 
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def step(params, cache, new):
-        hidden, cache, _ = decoder.forward(params, cfg, new, cache, jnp.full((1,), tokens, jnp.int32))
+        hidden, cache, _ = decoder.forward(params, cfg, new, cache, jnp.full((batch,), tokens, jnp.int32))
         return jnp.argmax(decoder.logits(params, cfg, hidden[:, -1]), -1), cache
 
     def make():
-        cache = decoder.cache_for(params, cfg, 1, cache_len)
-        cache = decoder.KVCache(cache.k, cache.v, jnp.full((1,), context, jnp.int32))
-        return params, cache, jnp.ones((1, tokens), jnp.int32)
+        cache = decoder.cache_for(params, cfg, batch, cache_len)
+        cache = dataclasses.replace(cache, lengths=jnp.full((batch,), context, jnp.int32))
+        return params, cache, jnp.ones((batch, tokens), jnp.int32)
 
     return median_ms(step, make, repeats)
 
 
-def round_ms(target, drafter, context: int, repeats: int) -> dict:
-    """Draft, verify + commit and the whole round at batch 1, fixed gamma = the block size, greedy."""
+def round_ms(target, drafter, context: int, repeats: int, batch: int = 1) -> dict:
+    """Draft, verify + commit and the whole round for `batch` rows (the same prompt), fixed gamma =
+    the block size, greedy. `drafter`: anything with .config and .params."""
     import jax
     import jax.numpy as jnp
 
@@ -76,11 +81,11 @@ def round_ms(target, drafter, context: int, repeats: int) -> dict:
     statics = dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg)
     max_new = (repeats + 2) * 3 * (cfg.gamma + 1)
     max_len = context + max_new + cfg.gamma + 1
-    prompt = jnp.asarray([[(7 * i) % 1000 + 10 for i in range(context)]], jnp.int32)
+    prompt = jnp.asarray([[(7 * i) % 1000 + 10 for i in range(context)]] * batch, jnp.int32)
 
     def fresh():
-        return spec_prefill(target.params, drafter.params, prompt, jnp.array([context], jnp.int32),
-                            jnp.array([max_new], jnp.int32), jax.random.key(0), max_len=max_len, **statics)
+        return spec_prefill(target.params, drafter.params, prompt, jnp.full((batch,), context, jnp.int32),
+                            jnp.full((batch,), max_new, jnp.int32), jax.random.key(0), max_len=max_len, **statics)
 
     state = fresh()
     run_draft = compiled(spec_draft, (target.params, drafter.params, state, None), statics)

@@ -35,19 +35,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import output_paths, write_results  # noqa: E402
 
 
-def make_trainer(config: str, steps: int, data: str, feature_cache: str | None):
-    """The Trainer of `config` on `data` (opening the feature cache, building it if missing)."""
+def make_trainer(config: str, steps: int, data: str, feature_cache: str | None, target=None, overrides=()):
+    """The Trainer of `config` on `data` (opening the feature cache, building it if missing), with
+    `target` (default: the config's, loaded) and further `key=value` config overrides."""
     from dspark_jax.checkpoints.registry import load_target
     from dspark_jax.training.config import load_config
     from dspark_jax.training.trainer import Trainer
 
     out_dir = tempfile.mkdtemp(prefix="bench-train-")
     overrides = [f"optim.steps={steps}", f"data.train_dir={data}", f"run.out_dir={out_dir}",
-                 "run.save_every=100000", "run.log_every=1"]
+                 "run.save_every=100000", "run.log_every=1", *overrides]
     if feature_cache:
         overrides.append(f"data.feature_cache={feature_cache}")
     cfg = load_config(config, overrides)
-    return Trainer(cfg, load_target(cfg.target))
+    return Trainer(cfg, load_target(cfg.target) if target is None else target)
 
 
 def time_steps(trainer, steps: int, cached: bool) -> dict:
