@@ -2,9 +2,11 @@
 
     python benchmarks/bench_generate.py [--batch-sizes 1,32] [--new-tokens 128] [--repeats 3]
     python benchmarks/bench_generate.py --batch-sizes 1 --new-tokens 64,2048 --repeats 1 --skip-transformers --name generate_length
+    python benchmarks/bench_generate.py --target gemma3-270m --name generate_gemma3
 
-Both sides decode SmolLM2-135M-Instruct (the same Q4_1 GGUF, dequantised to fp32) from the same
-chat-templated prompts for exactly --new-tokens tokens (stop tokens ignored, so the work is equal),
+Both sides decode the target (default SmolLM2-135M-Instruct; the same GGUF file, dequantised to
+fp32) from the same prompts (chat-templated; a base model without a chat template gets the raw
+text after its BOS) for exactly --new-tokens tokens (stop tokens ignored, so the work is equal),
 after a warm-up run. Repeats alternate between the two so machine noise hits both alike; the table
 reports medians. Compilation is excluded from our numbers (reported separately).
 """
@@ -39,6 +41,7 @@ def load_prompts(n: int) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="smollm2-135m", help="a known target name (a GGUF both sides load)")
     ap.add_argument("--batch-sizes", default="1,32")
     ap.add_argument("--new-tokens", default="128", help="comma-separated: one row per batch size and length")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
@@ -55,7 +58,7 @@ def main() -> None:
     from dspark_jax.generate import generate
 
     torch.set_num_threads(os.cpu_count())
-    target = load_target("smollm2-135m")
+    target = load_target(args.target)
     tok = target.tokenizer
     hf_model = hf_tok = None
     if not args.skip_transformers:
@@ -117,7 +120,7 @@ def main() -> None:
         md.append(f"| {r['batch']} | {r['new_tokens']} | {r['ours_tokens_per_s']:.1f} | "
                   f"{r['ours_decode_tokens_per_s']:.1f} | {cell(r, 'transformers_tokens_per_s', '{:.1f}')} | "
                   f"{cell(r, 'speedup', '{:.2f}x')} | {cell(r, 'rows_agreeing_first_32', '{:.2f}')} |")
-    md.append("\nfp32, greedy, SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32) on both sides; "
+    md.append(f"\nfp32, greedy, target {args.target} ({os.path.basename(target.path)}, dequantised to fp32) on both sides; "
               "tokens/s = batch x new tokens / wall time of prefill + decode (median of repeats; "
               "our XLA compile time excluded and listed in the JSON).\n")
     paths = write_results(args.name, {"rows": rows}, "\n".join(md), **({"directory": args.out} if args.out else {}))

@@ -30,6 +30,7 @@ NameTable = list[tuple[str, str, bool]]
 DECODER_AXES: dict[str, tuple[str, ...]] = {
     "embed": ("vocab", "hidden"), "final_norm": ("hidden",), "lm_head": ("hidden", "vocab"),
     "layers/attn_norm": ("hidden",), "layers/mlp_norm": ("hidden",),
+    "layers/attn_post_norm": ("hidden",), "layers/mlp_post_norm": ("hidden",),
     "layers/wq": ("hidden", "q"), "layers/wk": ("hidden", "kv"), "layers/wv": ("hidden", "kv"),
     "layers/wo": ("q", "hidden"), "layers/bq": ("q",), "layers/bk": ("kv",), "layers/bv": ("kv",),
     "layers/q_norm": ("head_dim",), "layers/k_norm": ("head_dim",),

@@ -28,7 +28,7 @@ from gguf.quants import dequantize
 
 from dspark_jax.checkpoints.assemble import NameTable, StoredTensor, assemble_params, check_stored, decoder_claims
 from dspark_jax.errors import UserError
-from dspark_jax.models.config import ModelConfig, RopeScaling, finite_float, positive_int
+from dspark_jax.models.config import ModelConfig, RopeScaling, finite_float, gemma3_layer_types, positive_int
 from dspark_jax.models.decoder import param_shapes
 from dspark_jax.tokenizer import Tokenizer
 
@@ -37,7 +37,7 @@ SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_
                              Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 
 # general.architecture -> our model family; only "llama" files have permuted q/k rows.
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
 
 GGUF_NAMES: NameTable = [
     (r"token_embd\.weight", "embed", False),
@@ -57,6 +57,12 @@ GGUF_NAMES: NameTable = [
     (r"blk\.(\d+)\.ffn_gate\.weight", "layers/w_gate", True),
     (r"blk\.(\d+)\.ffn_up\.weight", "layers/w_up", True),
     (r"blk\.(\d+)\.ffn_down\.weight", "layers/w_down", True),
+]
+# Gemma 3: ffn_norm is the MLP's pre-norm, as above; the two post-norms have their own names.
+# llama.cpp's converter already stores Gemma's norm weights as 1 + w, our scale.
+GEMMA3_GGUF_NAMES: NameTable = GGUF_NAMES + [
+    (r"blk\.(\d+)\.post_attention_norm\.weight", "layers/attn_post_norm", False),
+    (r"blk\.(\d+)\.post_ffw_norm\.weight", "layers/mlp_post_norm", False),
 ]
 
 _ROPE_FREQS = "rope_freqs.weight"
@@ -248,10 +254,21 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], dtype: str =
     if heads % kv_heads:
         raise UserError(f"{source}: {arch}.attention.head_count {heads} is not a multiple of "
                         f"{arch}.attention.head_count_kv {kv_heads}")
+    family = ARCHITECTURES[arch]
     scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling_type != "none":
+    if scaling_type != "none" and not (family == "gemma3" and scaling_type == "linear"):
         raise UserError(f"{source}: unsupported RoPE scaling type {str(scaling_type)[:40]!r}")
     theta = number("rope.freq_base", 10000.0, positive=True)
+    gemma = {}
+    if family == "gemma3":
+        layers = size("block_count")
+        gemma = dict(
+            post_norms=True, hidden_act="gelu_tanh", embed_scale=math.sqrt(hidden),
+            sliding_window=size("attention.sliding_window"), layer_types=gemma3_layer_types(layers),
+            rope_local_theta=10_000.0,  # llama.cpp's fixed base of the local layers
+            rope_linear_factor=number("rope.scaling.factor", 1.0, positive=True) if scaling_type == "linear" else 1.0,
+            # As llama.cpp: the 27B model (62 layers) scales queries by hidden / heads, the others by head_dim.
+            query_pre_attn_scalar=float(hidden // heads if layers == 62 else head_dim))
     scaling = None
     if _ROPE_FREQS in tensors:
         scaling = llama3_scaling_from_factors(
@@ -260,8 +277,8 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], dtype: str =
     vocab = meta.get(f"{arch}.vocab_size") or (len(tokens) if isinstance(tokens, list) else 0)
     if not vocab:
         raise UserError(f"{source}: cannot tell the vocabulary size ({arch}.vocab_size and tokens missing)")
-    family = ARCHITECTURES[arch]
     return ModelConfig(
+        **gemma,
         family=family,
         vocab_size=positive_int(vocab, f"{arch}.vocab_size", source),
         hidden_size=hidden,
@@ -276,7 +293,7 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], dtype: str =
         rope_scaling=scaling,
         # llama.cpp writes output.weight only when the head is not the embedding matrix.
         tie_word_embeddings="output.weight" not in tensors,
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "gemma3"),
         qkv_bias=family == "qwen2" or "blk.0.attn_q.bias" in tensors,
         dtype=dtype,
     )
@@ -359,10 +376,11 @@ def load_gguf_model(path, dtype: str = "float32") -> tuple[ModelConfig, dict, To
     loaders = _tensor_loaders(reader, source)
     cfg = config_from_gguf(meta, loaders, dtype=dtype, source=source)  # architecture first
     _check_tensor_types(reader, source)  # fail before minutes of dequantising, not midway
+    names = GEMMA3_GGUF_NAMES if cfg.family == "gemma3" else GGUF_NAMES
     # The metadata's claimed shapes against the tensor infos, before any allocation.
     check_stored(param_shapes(cfg), [StoredTensor(t.name, tuple(int(d) for d in reversed(t.shape.tolist())), source)
                                      for t in reader.tensors],
-                 GGUF_NAMES, source, ignore=lambda n: n == _ROPE_FREQS, claims=_claims(cfg, meta))
+                 names, source, ignore=lambda n: n == _ROPE_FREQS, claims=_claims(cfg, meta))
     tokenizer = Tokenizer.from_gguf_metadata(meta, source=source)
     if cfg.family == "llama":  # undo the converter's q/k row permutation (weights and biases)
         heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
@@ -371,6 +389,6 @@ def load_gguf_model(path, dtype: str = "float32") -> tuple[ModelConfig, dict, To
             if kind in heads:
                 loaders[name] = lambda load=load, n=heads[kind]: unpermute_rope_rows(load(), n)
     params = assemble_params(
-        param_shapes(cfg), loaders.items(), GGUF_NAMES, dtype=np.float32, source=source,
+        param_shapes(cfg), loaders.items(), names, dtype=np.float32, source=source,
         ignore=lambda n: n == _ROPE_FREQS)  # already folded into cfg.rope_scaling
     return cfg, params, tokenizer

@@ -33,6 +33,25 @@ HF_NAMES: NameTable = [
     (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", "layers/w_down", True),
 ]
 
+# Gemma 3 has four norms a layer: its post_attention_layernorm normalises the attention output (our
+# attn_post_norm), and the MLP has a pre (our mlp_norm) and a post norm. Multimodal checkpoints keep
+# the language model under model.language_model. (transformers 5) or language_model.model. (4.x).
+_GEMMA3_NORMS = {"post_attention_layernorm": "layers/attn_post_norm", "pre_feedforward_layernorm": "layers/mlp_norm",
+                 "post_feedforward_layernorm": "layers/mlp_post_norm"}
+GEMMA3_HF_NAMES: NameTable = [
+    (pattern.replace(r"model\.", r"(?:model\.language_model\.|language_model\.model\.|model\.)", 1)
+     .replace(r"lm_head", r"(?:language_model\.)?lm_head"), path, transpose)
+    for pattern, path, transpose in HF_NAMES if path != "layers/mlp_norm"
+] + [(rf"(?:model\.language_model\.|language_model\.model\.|model\.)layers\.(\d+)\.{name}\.weight", path, False)
+     for name, path in _GEMMA3_NORMS.items()]
+_MULTIMODAL_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def fold_norm_offsets(params: dict) -> dict:
+    """Gemma's RMSNorm scales by (1 + w): store 1 + w, the scale itself, so one rms_norm serves
+    every family (numpy, in place of each norm weight)."""
+    return {k: fold_norm_offsets(v) if isinstance(v, dict) else (v + 1 if "norm" in k else v) for k, v in params.items()}
+
 
 def read_json(path: str) -> dict:
     try:
@@ -176,12 +195,15 @@ def load_hf_model(folder: str, dtype: str = "float32") -> tuple[ModelConfig, dic
     cfg = config_from_hf(read_json(os.path.join(folder, "config.json")), dtype=dtype)
     tied = cfg.tie_word_embeddings
 
+    gemma = cfg.family == "gemma3"
+
     def ignore(n: str) -> bool:  # tied checkpoints may still carry a copy of the head; rotary caches are not weights
-        return (tied and n == "lm_head.weight") or n.endswith("rotary_emb.inv_freq")
+        return ((tied and n.endswith("lm_head.weight")) or n.endswith("rotary_emb.inv_freq")
+                or (gemma and n.startswith(_MULTIMODAL_PARTS)))
 
     files = safetensors_files(folder)
     # Headers first: every claimed shape is checked against the file before anything is allocated.
     params = assemble_params(
-        param_shapes(cfg), iter_safetensors(files), HF_NAMES, dtype=np.float32, source=folder, ignore=ignore,
-        stored=stored_tensors(files, ignore), claims=decoder_claims(cfg, "config.json", HF_KEYS))
-    return cfg, params
+        param_shapes(cfg), iter_safetensors(files), GEMMA3_HF_NAMES if gemma else HF_NAMES, dtype=np.float32,
+        source=folder, ignore=ignore, stored=stored_tensors(files, ignore), claims=decoder_claims(cfg, "config.json", HF_KEYS))
+    return cfg, fold_norm_offsets(params) if gemma else params

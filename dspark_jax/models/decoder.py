@@ -157,6 +157,8 @@ def param_shapes(cfg: ModelConfig, layout: str = "stacked") -> dict:
         layers.update(bq=(L, q), bk=(L, kv), bv=(L, kv))
     if cfg.qk_norm:
         layers.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
+    if cfg.post_norms:
+        layers.update(attn_post_norm=(L, d), mlp_post_norm=(L, d))
     shapes = {"embed": (cfg.vocab_size, d), "layers": layers, "final_norm": (d,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (d, cfg.vocab_size)
@@ -191,6 +193,7 @@ def param_logical_axes(cfg: ModelConfig, layout: str = "stacked") -> dict:
         "w_down": ("layers", "mlp", "embed"),
         "bq": ("layers", "heads"), "bk": ("layers", "kv_heads"), "bv": ("layers", "kv_heads"),
         "q_norm": ("layers", None), "k_norm": ("layers", None),
+        "attn_post_norm": ("layers", "embed"), "mlp_post_norm": ("layers", "embed"),
     }
     shapes = param_shapes(cfg)
     axes = {"embed": ("vocab", "embed"), "final_norm": ("embed",), "lm_head": ("embed", "vocab"),
@@ -220,9 +223,49 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin of the rotary angles, [B, T, 1, head_dim/2]: computed once, shared by all layers."""
-    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(cfg.rope_inv_freq())
-    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    """cos, sin of the rotary angles, [B, T, 1, head_dim/2]: computed once, shared by all layers.
+    Where sliding-window layers rotate with their own base (`cfg.local_rope`), both tables come
+    stacked, [2, B, T, 1, head_dim/2] (full layers', local layers'); `layer_rope` picks."""
+    def table(inv_freq):
+        angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
+        return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+    if not cfg.local_rope:
+        return table(cfg.rope_inv_freq())
+    (cos, sin), (cos_l, sin_l) = table(cfg.rope_inv_freq()), table(cfg.rope_inv_freq(local=True))
+    return jnp.stack([cos, cos_l]), jnp.stack([sin, sin_l])
+
+
+def layer_pick(cfg: ModelConfig, i, full, local):
+    """`local` for a sliding-window layer i, else `full`; i is a Python int (per-layer layout) or
+    traced (the scan), where the choice becomes a select."""
+    if isinstance(i, int):
+        return local if cfg.sliding_layers[i] else full
+    sliding = jnp.asarray(cfg.sliding_layers)[i]
+    return jax.tree.map(lambda f, loc: jnp.where(sliding, loc, f), full, local)
+
+
+def layer_rope(cfg: ModelConfig, cos: jax.Array, sin: jax.Array, i):
+    """Layer i's (cos, sin) from `rope_tables`."""
+    if not cfg.local_rope:
+        return cos, sin
+    return layer_pick(cfg, i, (cos[0], sin[0]), (cos[1], sin[1]))
+
+
+def layer_window(cfg: ModelConfig, i):
+    """Layer i's attention window (keys in (t - window, t]), or None for a model without local
+    layers; full layers of a model with local ones get a window no position reaches."""
+    if not any(cfg.sliding_layers):
+        return None
+    return layer_pick(cfg, i, jnp.int32(2**30), jnp.int32(cfg.sliding_window))
+
+
+def embed(params: dict, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Token embeddings, scaled by `cfg.embed_scale` in the table's dtype (as Gemma does)."""
+    x = params["embed"][tokens].astype(cfg.dtype)
+    if cfg.embed_scale != 1.0:
+        x = x * jnp.asarray(cfg.embed_scale, x.dtype)
+    return x
 
 
 def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -231,9 +274,9 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float | None = None) -> jax.Array:
     """Grouped-query attention. q: [B, T, H, D]; k, v: [B, Hkv, S, D] (heads-major, as the cache
-    holds them); visible: [B, T, S] bool.
+    holds them); visible: [B, T, S] bool; scale: of the scores (default head_dim ** -0.5).
 
     The T x group queries of a KV head form one [T*G, D] matrix, so both products are plain batched
     matmuls over (batch, kv head) that read keys and values in place."""
@@ -241,33 +284,44 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> j
     kv_heads = k.shape[1]
     G = H // kv_heads
     q = q.reshape(B, T, kv_heads, G, D).transpose(0, 2, 1, 3, 4).reshape(B, kv_heads, T * G, D)
-    scores = jnp.einsum("bkqd,bksd->bkqs", q, k, preferred_element_type=jnp.float32) / np.sqrt(D)
+    scale = D ** -0.5 if scale is None else scale
+    scores = jnp.einsum("bkqd,bksd->bkqs", q, k, preferred_element_type=jnp.float32) * scale
     mask = jnp.repeat(visible, G, axis=1)[:, None]  # rows ordered (t, g) like q's
     probs = jax.nn.softmax(jnp.where(mask, scores, -1e30), axis=-1).astype(v.dtype)
     out = jnp.einsum("bkqs,bksd->bkqd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(B, kv_heads, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, H * D).astype(q.dtype)
 
 
-def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array) -> jax.Array:
+def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, scale: float | None = None,
+                    window=None) -> jax.Array:
     """Causal attention of queries at absolute `q_positions` [B, T] over a KV cache k, v
-    [B, Hkv, S, D]: a key at position s is visible to a query at position t iff s <= t.
+    [B, Hkv, S, D]: a key at position s is visible to a query at position t iff s <= t (and, with
+    a `window`, t - window < s).
 
     One row reads keys only as far as its furthest query (`chunked_attention`); several rows take
     one masked pass over the whole cache, since on XLA CPU slicing chunks out of a batch of
     caches costs more than the keys it skips (measured: 6.7 vs 3.2 ms a layer at 32 rows)."""
     if q.shape[0] == 1:
-        return chunked_attention(q, k, v, q_positions)
-    visible = jnp.arange(k.shape[2], dtype=jnp.int32)[None, None, :] <= q_positions[:, :, None]
-    return attention(q, k, v, visible)
+        return chunked_attention(q, k, v, q_positions, scale=scale, window=window)
+    return attention(q, k, v, key_visible(jnp.arange(k.shape[2], dtype=jnp.int32)[None, None, :],
+                                          q_positions[:, :, None], window), scale)
 
 
-def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, chunk: int = 256) -> jax.Array:
-    """`cache_attention` reading keys only up to the furthest query position.
+def key_visible(key_pos: jax.Array, q_pos: jax.Array, window=None) -> jax.Array:
+    """Causal visibility of keys to queries by absolute position, within `window` if given."""
+    visible = key_pos <= q_pos
+    return visible if window is None else visible & (key_pos > q_pos - window)
 
-    Keys are visited in chunks (a `fori_loop` with a running softmax), as many as the furthest
-    query needs, so a step costs what the context holds, not what the cache could hold: decoding
-    the 2,048th token of a long cache reads 2,048 keys, the 64th reads one chunk. Equal to
-    `attention(q, k, v, key_pos <= q_position)` up to float rounding."""
+
+def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, chunk: int = 256,
+                      scale: float | None = None, window=None) -> jax.Array:
+    """`cache_attention` reading keys only up to the furthest query position (and, with a
+    window, from the earliest key the nearest query can see).
+
+    Keys are visited in chunks (a `fori_loop` with a running softmax), as many as the queries
+    need, so a step costs what the context holds, not what the cache could hold: decoding
+    the 2,048th token of a long cache reads 2,048 keys, the 64th reads one chunk, and a local
+    layer reads its window. Equal to `attention(q, k, v, key_visible(...))` up to float rounding."""
     B, T, H, D = q.shape
     kv_heads, S = k.shape[1], k.shape[2]
     G = H // kv_heads
@@ -276,6 +330,8 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax
     q = q.reshape(B, T, kv_heads, G, D).transpose(0, 2, 1, 3, 4).reshape(B, kv_heads, T * G, D)
     q_pos = jnp.repeat(q_positions, G, axis=1)[:, None, :, None]  # [B, 1, T*G, 1], rows (t, g) like q's
     num_chunks = jnp.minimum(jnp.max(q_positions) // chunk + 1, -(-S // chunk))
+    first_chunk = 0 if window is None else jnp.clip((jnp.min(q_positions) - window + 1) // chunk, 0, num_chunks - 1)
+    scale = D ** -0.5 if scale is None else scale
     f32 = jnp.float32
 
     def visit(c, state):
@@ -283,19 +339,21 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax
         start = jnp.minimum(c * chunk, S - chunk)  # the last chunk ends at S and overlaps the one before,
         k_c = jax.lax.dynamic_slice_in_dim(k, start, chunk, axis=2)
         v_c = jax.lax.dynamic_slice_in_dim(v, start, chunk, axis=2)
-        scores = jnp.einsum("bkqd,bksd->bkqs", q, k_c, preferred_element_type=f32) / np.sqrt(D)
+        scores = jnp.einsum("bkqd,bksd->bkqs", q, k_c, preferred_element_type=f32) * scale
         key_pos = start + jnp.arange(chunk, dtype=jnp.int32)
         fresh = key_pos >= c * chunk  # so keys an earlier chunk already counted are masked
-        scores = jnp.where(fresh & (key_pos <= q_pos), scores, -1e30)
+        scores = jnp.where(fresh & key_visible(key_pos, q_pos, window), scores, -1e30)
         new_max = jnp.maximum(running_max, scores.max(-1, keepdims=True))
-        probs = jnp.exp(scores - new_max)  # chunk 0 always holds key 0, so new_max is finite from then on
+        # A query none of whose keys is in this chunk yet adds exp(0)-weighted junk here, which the
+        # rescale by exp(-1e30 - real max) zeroes at its first visible key (its own is always one).
+        probs = jnp.exp(scores - new_max)
         rescale = jnp.exp(running_max - new_max)
         acc = acc * rescale + jnp.einsum("bkqs,bksd->bkqd", probs.astype(v.dtype), v_c, preferred_element_type=f32)
         return new_max, denom * rescale + probs.sum(-1, keepdims=True), acc
 
     rows = (B, kv_heads, T * G, 1)
     init = (jnp.full(rows, -1e30, f32), jnp.zeros(rows, f32), jnp.zeros(rows[:-1] + (D,), f32))
-    _, denom, acc = jax.lax.fori_loop(0, num_chunks, visit, init)
+    _, denom, acc = jax.lax.fori_loop(first_chunk, num_chunks, visit, init)
     out = acc / denom
     return out.reshape(B, kv_heads, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, H * D).astype(q.dtype)
 
@@ -323,23 +381,26 @@ def project_qkv(lp: dict, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin: j
     return rope(q, cos, sin), rope(k, cos, sin), v
 
 
-def mlp(lp: dict, x: jax.Array) -> jax.Array:
+def mlp(lp: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     if "w_gate" not in lp:  # per-layer layout
         gate, up = jnp.split(linear(lp, "w_gate_up", x), 2, axis=-1)
     else:
         gate, up = x @ lp["w_gate"], x @ lp["w_up"]
-    return linear(lp, "w_down", jax.nn.silu(gate) * up)
+    act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+    return linear(lp, "w_down", act * up)
 
 
 def decoder_layer(lp: dict, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array, attend):
     """One pre-norm decoder layer. `attend(lp, q, k, v) -> (out [B, T, H*D], aux)` supplies the
     attention of the caller's setting: a KV cache, packed training sequences, or the drafter's
     injected target context. Everything else about a layer lives here once."""
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = project_qkv(lp, cfg, h, cos, sin)
+    eps = cfg.rms_norm_eps
+    q, k, v = project_qkv(lp, cfg, rms_norm(x, lp["attn_norm"], eps), cos, sin)
     out, aux = attend(lp, q, k, v)
-    x = x + linear(lp, "wo", out)
-    return x + mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)), aux
+    out = linear(lp, "wo", out)
+    x = x + (rms_norm(out, lp["attn_post_norm"], eps) if cfg.post_norms else out)
+    out = mlp(lp, cfg, rms_norm(x, lp["mlp_norm"], eps))
+    return x + (rms_norm(out, lp["mlp_post_norm"], eps) if cfg.post_norms else out), aux
 
 
 def run_layers(params: dict, cfg: ModelConfig, x: jax.Array, cos, sin, attend, carry, tap_layers):
@@ -351,7 +412,7 @@ def run_layers(params: dict, cfg: ModelConfig, x: jax.Array, cos, sin, attend, c
     `hidden_states[l]`. Only the requested layers are kept (not all L of them).
     """
     def layer(lp, x, carry, i):
-        return decoder_layer(lp, cfg, x, cos, sin, lambda lp, q, k, v: attend(lp, q, k, v, carry, i))
+        return decoder_layer(lp, cfg, x, *layer_rope(cfg, cos, sin, i), lambda lp, q, k, v: attend(lp, q, k, v, carry, i))
 
     if layout_of(params) == "per_layer":
         kept = {0: x}
@@ -408,11 +469,11 @@ def forward(
         # Scatter the new keys/values at each row's own positions; past the end is dropped.
         k_layer = layer_get(k_all, i).at[rows, :, positions].set(k_new, mode="drop")
         v_layer = layer_get(v_all, i).at[rows, :, positions].set(v_new, mode="drop")
-        out = cache_attention(q, k_layer, v_layer, positions)
+        out = cache_attention(q, k_layer, v_layer, positions, cfg.attention_scale, layer_window(cfg, i))
         return out, (layer_set(k_all, i, k_layer), layer_set(v_all, i, v_layer))
 
     cos, sin = rope_tables(cfg, positions)
-    x = params["embed"][tokens].astype(cfg.dtype)
+    x = embed(params, cfg, tokens)
     hidden, (k_all, v_all), taps = run_layers(params, cfg, x, cos, sin, attend, (cache.k, cache.v), tap_layers)
     return hidden, KVCache(k_all, v_all, cache.lengths + num_new.astype(jnp.int32)), taps
 
@@ -432,13 +493,15 @@ def forward_packed(
     """
     S = tokens.shape[1]
     slot = jnp.arange(S)
-    visible = (slot[None, None, :] <= slot[None, :, None]) & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
 
     def attend(lp, q, k, v, carry, i):
-        return attention(q, heads_major(k), heads_major(v), visible), carry
+        # Within a segment slots are consecutive positions, so slot distance is position distance.
+        visible = key_visible(slot[None, None, :], slot[None, :, None], layer_window(cfg, i)) & same_segment
+        return attention(q, heads_major(k), heads_major(v), visible, cfg.attention_scale), carry
 
     cos, sin = rope_tables(cfg, positions)
-    x = params["embed"][tokens].astype(cfg.dtype)
+    x = embed(params, cfg, tokens)
     hidden, _, taps = run_layers(params, cfg, x, cos, sin, attend, None, tap_layers)
     return hidden, taps
 
@@ -491,12 +554,13 @@ def forward_flat(
         k_layer = layer_get(k_all, i).at[write_rows, :, positions].set(k_new[0], mode="drop")  # [R, Hkv, S, D]
         v_layer = layer_get(v_all, i).at[write_rows, :, positions].set(v_new[0], mode="drop")
         q_padded = jnp.zeros((R, width) + q.shape[2:], q.dtype).at[write_rows, slot].set(q[0], mode="drop")
-        out = cache_attention(q_padded, k_layer, v_layer, padded_pos)  # [R, width, H*D]
+        out = cache_attention(q_padded, k_layer, v_layer, padded_pos, cfg.attention_scale,
+                              layer_window(cfg, i))  # [R, width, H*D]
         out = out.at[write_rows, slot].get(mode="fill", fill_value=0)[None]  # back to [1, N, H*D]
         return out, (layer_set(k_all, i, k_layer), layer_set(v_all, i, v_layer))
 
     cos, sin = rope_tables(cfg, positions[None])  # the flat tokens as one [1, N] "row"
-    x = params["embed"][tokens[None]].astype(cfg.dtype)
+    x = embed(params, cfg, tokens[None])
     hidden, (k_all, v_all), taps = run_layers(params, cfg, x, cos, sin, attend, (cache.k, cache.v), tap_layers)
     return hidden[0], KVCache(k_all, v_all, cache.lengths), (None if taps is None else taps[:, 0])
 
