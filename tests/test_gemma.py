@@ -233,3 +233,48 @@ def test_gemma3_270m_greedy_generation_matches_transformers(gemma_pair):
         with torch.no_grad():
             out = theirs.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
         assert ours_ids == out[0, len(ids):].tolist()
+
+
+@needs_gemma
+def test_dspark_drafter_trains_on_gemma3_270m_and_decodes_losslessly(gemma_pair, tmp_path):
+    """A DSpark drafter for the real Gemma target: a few training steps on the target's own greedy
+    continuations, then speculative greedy decoding equals plain greedy decoding."""
+    import json
+    import os
+
+    from dspark_jax.data.datagen import FORMAT, MANIFEST, write_shard
+    from dspark_jax.engine.speculative import SpecConfig, speculative_generate
+    from dspark_jax.generate import generate
+    from dspark_jax.training.config import DataConfig, OptimConfig, RunConfig, TrainConfig
+    from dspark_jax.training.trainer import Trainer
+
+    target = gemma_pair[0]
+    tok = target.tokenizer
+    prompts = [tok.chat_prompt_ids(p) for p in ["The capital of France is", "1, 2, 3, 4,", "def add(a, b):",
+                                                 "Once upon a time"]]
+    responses = generate(target.params, target.config, prompts, max_new_tokens=24, stop_ids=()).token_ids
+    data = tmp_path / "data"
+    os.makedirs(data)
+    entry = write_shard(str(data / "shard-00000.npz"), prompts, responses, [str(i) for i in range(4)], [True] * 4)
+    (data / MANIFEST).write_text(json.dumps({"format": FORMAT, "target": "gemma3-270m",
+                                             "target_shape": {"vocab_size": target.config.vocab_size},
+                                             "shards": [entry]}))
+    cfg = TrainConfig(
+        target="gemma3-270m",
+        drafter=dict(kind="dspark", num_layers=1, block_size=4, head="markov", markov_rank=16, confidence=True,
+                     mask_token_id=0, target_layer_ids=(1, 8, 15)),
+        data=DataConfig(train_dir=str(data), rows=2, seq_len=64, blocks_per_row=8, anchors_per_seq=4),
+        optim=OptimConfig(lr=3e-3, steps=4, warmup_frac=0.25),
+        run=RunConfig(out_dir=str(tmp_path / "run"), log_every=1, save_every=1000, compute_dtype="float32",
+                      mesh=(1, 1, 1)))
+    trainer = Trainer(cfg, target)
+    state = trainer.fit(progress=False)
+    trainer.close()
+    assert trainer.dcfg.target_embed_scale == target.config.embed_scale  # embeds as the target does
+    log = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert len(log) == 4 and all(np.isfinite(r["loss"]) for r in log)
+    dparams = jax.device_get(state.params)
+    plain = generate(target.params, target.config, prompts, max_new_tokens=16, stop_ids=()).token_ids
+    spec = speculative_generate(target.params, target.config, dparams, trainer.dcfg, prompts, max_new_tokens=16,
+                                cfg=SpecConfig(gamma=4, policy="fixed"))
+    assert spec.token_ids == plain

@@ -51,6 +51,8 @@ class DrafterConfig:
     target_vocab_size: int = setting(0, ge=0)
     target_hidden_size: int = setting(0, ge=0)
     target_num_layers: int = setting(0, ge=0)
+    # The target's embedding scale (Gemma: sqrt(hidden)): the drafter embeds tokens as the target does.
+    target_embed_scale: float = setting(1.0, gt=0)
 
     __relations__ = (
         relation("markov_rank head", lambda markov_rank, head: head == "none" or markov_rank > 0,

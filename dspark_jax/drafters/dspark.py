@@ -166,6 +166,13 @@ def block_attention(q, k_blk, v_blk, k_ctx, v_ctx, ctx_visible):
     return out.reshape(B, N * g, H * D).astype(q.dtype)
 
 
+def target_embed(target_params: dict, dcfg: DrafterConfig, tokens: jax.Array, dtype) -> jax.Array:
+    """The target's frozen embedding of `tokens`, scaled as the target scales it (Gemma); asarray:
+    the table may be a host numpy array."""
+    x = jnp.take(jnp.asarray(target_params["embed"]), tokens, axis=0).astype(dtype)
+    return x if dcfg.target_embed_scale == 1.0 else x * jnp.asarray(dcfg.target_embed_scale, dtype)
+
+
 def _backbone(dparams, dcfg, target_params, block_tokens, block_positions, context_kv, ctx_visible):
     """Final-normed hidden states [B, N, g, d] of N blocks per row.
 
@@ -175,7 +182,7 @@ def _backbone(dparams, dcfg, target_params, block_tokens, block_positions, conte
     B, N, g = block_tokens.shape
     lcfg = dcfg.layer_config()
     cos, sin = decoder.rope_tables(lcfg, block_positions.reshape(B, N * g))
-    x = jnp.take(target_params["embed"], block_tokens.reshape(B, N * g), axis=0).astype(dparams["fc"].dtype)
+    x = target_embed(target_params, dcfg, block_tokens.reshape(B, N * g), dparams["fc"].dtype)
 
     def attend(lp, q, k, v, carry, layer):
         split = lambda a: a.reshape(B, N, g, *a.shape[2:])  # noqa: E731

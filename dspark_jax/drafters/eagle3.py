@@ -117,9 +117,6 @@ def _fuse(params: dict, ctx_features: jax.Array) -> jax.Array:
     return ctx_features @ params["fc"]
 
 
-def _embed(target_params: dict, tokens: jax.Array, dtype) -> jax.Array:
-    """The target's frozen embedding (asarray: the table may be a host numpy array)."""
-    return jnp.asarray(target_params["embed"])[tokens].astype(dtype)
 
 
 def _draft_logits(params, dcfg, target_params, target_cfg, h):
@@ -225,7 +222,7 @@ def eagle3_train_forward(
     total = jnp.float32(0.0)
     for i in range(steps):
         positions = base_positions + i
-        embeds = _embed(target_params, tokens, g.dtype)
+        embeds = dspark.target_embed(target_params, dcfg, tokens, g.dtype)
         g, (k, v) = _run_layers(params, dcfg, embeds, g, positions, attend, ctx + chain)
         if i == 0:
             ctx = (k, v)
@@ -289,7 +286,7 @@ def _extend(params, dcfg, target_params, cache: Eagle3Cache, g, next_tokens, num
         v_layer = v_layer.at[rows, positions].set(v.astype(v_layer.dtype), mode="drop")
         return decoder.attention(q, decoder.heads_major(k_layer), decoder.heads_major(v_layer), visible), (k_layer, v_layer)
 
-    embeds = _embed(target_params, next_tokens, g.dtype)
+    embeds = dspark.target_embed(target_params, dcfg, next_tokens, g.dtype)
     h, (k, v) = _run_layers(params, dcfg, embeds, g, positions, attend, (cache.k, cache.v))
     return h, Eagle3Cache(k, v, cache.lengths + num_new.astype(jnp.int32))
 

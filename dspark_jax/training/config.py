@@ -122,7 +122,8 @@ class TrainConfig:
             max_position_embeddings=target.max_position_embeddings,
             target_layer_ids=default_tap_layers(target.num_layers, 5),
             target_name=target_name, target_vocab_size=target.vocab_size,
-            target_hidden_size=target.hidden_size, target_num_layers=target.num_layers)
+            target_hidden_size=target.hidden_size, target_num_layers=target.num_layers,
+            target_embed_scale=target.embed_scale)
         for k, v in defaults.items():
             d.setdefault(k, v)
         try:
