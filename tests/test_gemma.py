@@ -168,6 +168,35 @@ def test_tiny_hf_gemma3_matches_transformers(tmp_path_factory, layout):
     np.testing.assert_allclose(np.asarray(decoder.logits(target.params, cfg, h)), want, atol=2e-4, rtol=0)
 
 
+def test_multimodal_gemma3_checkpoint_loads_its_language_model(tmp_path_factory):
+    """Gemma3ForConditionalGeneration folders: the config's text_config (with transformers'
+    defaults for what it leaves out) and the weights under model.language_model.; the vision tower
+    is skipped."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    from dspark_jax.checkpoints.hf import load_hf_model
+
+    text = tmp_path_factory.mktemp("gemma3-text")
+    tiny_hf_gemma(text)
+    want_cfg, want = load_hf_model(str(text))
+    folder = tmp_path_factory.mktemp("gemma3-multimodal")
+    text_config = json.loads((text / "config.json").read_text())
+    for key in ("rms_norm_eps", "max_position_embeddings"):  # left to the defaults, as released configs do
+        text_config.pop(key)
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": text_config, "vision_config": {"hidden_size": 8}}))
+    tensors = {k.replace("model.", "model.language_model.", 1): v for k, v in load_file(text / "model.safetensors").items()}
+    tensors["model.vision_tower.vision_model.embeddings.weight"] = np.zeros((4, 8), np.float32)
+    save_file(tensors, folder / "model.safetensors")
+    cfg, params = load_hf_model(str(folder))
+    assert cfg == want_cfg.replace(max_position_embeddings=131_072)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b)
+
+
 def gemma_gguf_available() -> bool:
     import importlib.util
 

@@ -167,6 +167,8 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32", source: str = "co
                         f"(supported: {', '.join(sorted(_ARCHITECTURES))})")
     if family == "gemma3" and isinstance(hf.get("text_config"), dict):  # multimodal: its language model
         return config_from_hf({"model_type": "gemma3_text", **hf["text_config"]}, dtype, f"{source} text_config")
+    if family == "gemma3":  # released multimodal configs leave out what equals transformers' defaults
+        hf = {**_GEMMA3_TEXT_DEFAULTS, **hf}
     act_key = "hidden_activation" if "hidden_activation" in hf else "hidden_act"
     act = _ACTIVATIONS.get(hf.get(act_key, "gelu_pytorch_tanh" if family == "gemma3" else "silu"))
     if act is None or (act == "gelu_tanh") != (family == "gemma3"):
@@ -235,6 +237,14 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32", source: str = "co
         qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
         dtype=dtype,
     )
+
+
+# transformers' Gemma3TextConfig defaults (the Gemma 3 4B shape), which released checkpoints rely on.
+_GEMMA3_TEXT_DEFAULTS = dict(
+    vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, max_position_embeddings=131_072, rms_norm_eps=1e-6,
+    query_pre_attn_scalar=256, sliding_window=4096, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+    tie_word_embeddings=True)
 
 
 def gemma3_layer_types(num_layers: int, pattern: int = 6) -> tuple[str, ...]:
