@@ -88,18 +88,25 @@ def decode_chunk(params, state: DecodeState, *, cfg: ModelConfig, sampling: Samp
         return (s.step < end) & ~jnp.all(s.done)
 
     def body(s: DecodeState):
-        active = ~s.done
-        hidden, cache, _ = decoder.forward(params, cfg, s.last_token[:, None], s.cache, active.astype(jnp.int32))
-        key, sub = jax.random.split(s.key)
-        token = sample(sub, decoder.logits(params, cfg, hidden[:, 0]), sampling)
-        token = jnp.where(active, token, s.last_token)
-        rows = jnp.arange(token.shape[0])
-        output = s.output.at[rows, s.num_generated].set(jnp.where(active, token, 0), mode="drop")
-        num_generated = s.num_generated + active
-        done = s.done | (active & stop_mask(token, stop_ids)) | (num_generated >= max_new)
-        return DecodeState(cache, token, output, num_generated, done, key, s.step + 1)
+        return decode_step(params, s, cfg=cfg, sampling=sampling, stop_ids=stop_ids)
 
     return jax.lax.while_loop(cond, body, state)
+
+
+def decode_step(params, s: DecodeState, *, cfg: ModelConfig, sampling: SamplingConfig,
+                stop_ids: tuple[int, ...]) -> DecodeState:
+    """One token for every row that is not done (the body of the decode loops)."""
+    max_new = s.output.shape[1]
+    active = ~s.done
+    hidden, cache, _ = decoder.forward(params, cfg, s.last_token[:, None], s.cache, active.astype(jnp.int32))
+    key, sub = jax.random.split(s.key)
+    token = sample(sub, decoder.logits(params, cfg, hidden[:, 0]), sampling)
+    token = jnp.where(active, token, s.last_token)
+    rows = jnp.arange(token.shape[0])
+    output = s.output.at[rows, s.num_generated].set(jnp.where(active, token, 0), mode="drop")
+    num_generated = s.num_generated + active
+    done = s.done | (active & stop_mask(token, stop_ids)) | (num_generated >= max_new)
+    return DecodeState(cache, token, output, num_generated, done, key, s.step + 1)
 
 
 @jax.tree_util.register_dataclass
@@ -120,7 +127,8 @@ def flatten_prompts(prompts: Sequence[Sequence[int]]) -> FlatPrompts:
     tokens[: sum(lengths)] = np.concatenate([np.asarray(p, np.int32) for p in prompts])
     rows[: sum(lengths)] = np.repeat(np.arange(len(prompts)), lengths)
     positions[: sum(lengths)] = np.concatenate([np.arange(length) for length in lengths])
-    return FlatPrompts(jnp.asarray(tokens), jnp.asarray(rows), jnp.asarray(positions), jnp.arange(n) < sum(lengths))
+    return FlatPrompts(jnp.asarray(tokens), jnp.asarray(rows), jnp.asarray(positions),
+                       jnp.asarray(np.arange(n) < sum(lengths)))
 
 
 def check_context(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
@@ -188,6 +196,154 @@ def generate(
     t2 = time.perf_counter()
     return GenerationResult([output[i, : counts[i]].tolist() for i in range(len(prompts))],
                             t1 - t0, t2 - t1, compile_s)
+
+
+
+# ------------------------------------------------------------------ continuous batching
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "stop_ids", "steps"), donate_argnames=("state",))
+def serve_chunk(params, state: DecodeState, *, cfg: ModelConfig, sampling: SamplingConfig,
+                stop_ids: tuple[int, ...], steps: int) -> DecodeState:
+    """Up to `steps` decode steps, ending early as soon as a row that was decoding finishes (so the
+    host refills its slot at once) or every row is done."""
+    decoding = ~state.done
+
+    def cond(carry):
+        i, s = carry
+        return (i < steps) & ~jnp.any(s.done & decoding) & ~jnp.all(s.done)
+
+    def body(carry):
+        i, s = carry
+        return i + 1, decode_step(params, s, cfg=cfg, sampling=sampling, stop_ids=stop_ids)
+
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
+
+
+def set_cache_row(batched: decoder.KVCache, single: decoder.KVCache, row) -> decoder.KVCache:
+    """`batched` with row `row` replaced by the one row of `single` (same layout and length)."""
+    axis = batched.batch_axis
+
+    def put(b, s):
+        return jax.lax.dynamic_update_slice_in_dim(b, s.astype(b.dtype), row, axis)
+
+    return decoder.KVCache(jax.tree.map(put, batched.k, single.k), jax.tree.map(put, batched.v, single.v),
+                           jax.lax.dynamic_update_slice_in_dim(batched.lengths, single.lengths, row, 0))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "max_len", "max_new", "stop_ids", "width"))
+def prefill_request(params, flat: FlatPrompts, lengths, key, index, *, cfg: ModelConfig, sampling: SamplingConfig,
+                    max_len: int, max_new: int, stop_ids: tuple[int, ...], width: int) -> DecodeState:
+    """`prefill` with request `index`'s own key, fold_in(key, index) (no host-side key op per refill)."""
+    return prefill(params, flat, lengths, jax.random.fold_in(key, index), cfg=cfg, sampling=sampling, max_len=max_len,
+                   max_new=max_new, stop_ids=stop_ids, width=width)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def admit_row(state: DecodeState, new: DecodeState, row) -> DecodeState:
+    """Put a freshly prefilled one-request state into slot `row` of the running batch; the other
+    rows keep their caches and progress, the batch keeps its random key."""
+    def put(b, s):
+        return jax.lax.dynamic_update_slice_in_dim(b, s.astype(b.dtype), row, 0)
+
+    return DecodeState(set_cache_row(state.cache, new.cache, row), put(state.last_token, new.last_token),
+                       put(state.output, new.output), put(state.num_generated, new.num_generated),
+                       put(state.done, new.done), state.key, state.step)
+
+
+def serve(
+    params: dict,
+    cfg: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    *,
+    slots: int,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    stop_ids: Sequence[int] = (),
+    seed: int = 0,
+    chunk: int = 16,
+    on_finish=None,
+    on_progress=None,
+) -> GenerationResult:
+    """Plain decoding with continuous batching: `slots` rows decode together and a finished
+    request's row is refilled with the next waiting prompt at once (prefilled on its own, then
+    copied into the row), while the other rows keep decoding. Results are in input order.
+
+    The KV cache is sized for the longest prompt. on_finish(index, token_ids, {"wall_s": ...}) is
+    called as each request completes (wall_s: from its prefill to its last token, XLA compilation
+    excluded); on_progress(tokens, seconds) after every chunk with the tokens generated so far.
+    Greedy output is token for token `generate`'s; sampled output draws from the same
+    distributions, but which random numbers a row gets depends on the batching."""
+    if max_new_tokens < 1:
+        raise UserError("max_new_tokens must be at least 1")
+    n = len(prompts)
+    slots = min(slots, n)
+    _, _, max_len = pad_prompts(cfg, prompts, max_new_tokens)
+    stop = tuple(sorted(set(int(s) for s in stop_ids)))
+    base_key = jax.random.key(seed)
+    statics = dict(cfg=cfg, sampling=sampling, max_len=max_len, max_new=max_new_tokens, stop_ids=stop)
+
+    def prefill_args(batch, key):
+        return (params, flatten_prompts(batch), jnp.asarray([len(p) for p in batch], jnp.int32), key)
+
+    t0 = time.perf_counter()
+    first_args = prefill_args(prompts[:slots], base_key)
+    run_first = compiled(prefill, first_args, dict(statics, width=bucket(max(len(p) for p in prompts[:slots]))))
+    run_chunk = compiled(serve_chunk, (params, run_first.out_info),
+                         dict(cfg=cfg, sampling=sampling, stop_ids=stop, steps=chunk))
+    run_refill = {}  # one program per prompt length bucket
+    for p in prompts[slots:]:
+        w = bucket(len(p))
+        if w not in run_refill:
+            run_refill[w] = compiled(prefill_request, prefill_args([p], base_key) + (np.int32(0),),
+                                     dict(statics, width=w))
+    run_admit = None
+    if run_refill:
+        one = next(iter(run_refill.values())).out_info
+        run_admit = compiled(admit_row, (run_first.out_info, one, np.int32(0)), {})
+    compile_s = time.perf_counter() - t0
+
+    results: list[list[int] | None] = [None] * n
+    owner = list(range(slots))
+    started = [0.0] * slots
+    waiting, finished_tokens, prefill_s = slots, 0, 0.0
+    t_start = time.perf_counter()
+    state = run_first(*first_args)
+    jax.block_until_ready(state)
+    prefill_s += time.perf_counter() - t_start
+    started = [t_start] * slots
+    while True:
+        done = np.asarray(state.done)
+        finished = [r for r in range(slots) if owner[r] >= 0 and done[r]]
+        if finished:
+            output, counts = np.asarray(state.output), np.asarray(state.num_generated)
+            now = time.perf_counter()
+            for r in finished:
+                i = owner[r]
+                results[i] = output[r, : counts[r]].tolist()
+                finished_tokens += len(results[i])
+                owner[r] = -1
+                if on_finish is not None:
+                    on_finish(i, results[i], {"wall_s": now - started[r]})
+                if waiting < n:
+                    t = time.perf_counter()
+                    p = prompts[waiting]
+                    new = run_refill[bucket(len(p))](*prefill_args([p], base_key), np.int32(waiting))
+                    state = run_admit(state, new, np.int32(r))
+                    jax.block_until_ready(state)
+                    owner[r], started[r] = waiting, t
+                    waiting += 1
+                    prefill_s += time.perf_counter() - t
+            continue  # a refilled request may be done already (a stop token first)
+        if all(o < 0 for o in owner):
+            break
+        state = run_chunk(params, state)
+        if on_progress is not None:
+            counts = np.asarray(state.num_generated)
+            on_progress(finished_tokens + sum(int(counts[r]) for r in range(slots) if owner[r] >= 0),
+                        time.perf_counter() - t_start)
+    wall = time.perf_counter() - t_start
+    return GenerationResult(results, prefill_s, wall - prefill_s, compile_s)
 
 
 _COMPILED: dict = {}

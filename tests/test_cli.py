@@ -20,18 +20,28 @@ def assert_fails(capsys, message, *argv):
     assert_one_line_error(decode.main, capsys, message, *argv)
 
 
+def json_records(out):
+    """The per-prompt objects of `decode --json` output (the last line is the summary)."""
+    lines = [json.loads(line) for line in out.strip().splitlines()]
+    assert list(lines[-1]) == ["summary"]
+    return lines[:-1]
+
+
 def test_json_output_on_tiny_target(capsys, tiny_target_folder):
     code, out, _ = run(capsys, "--target", tiny_target_folder, "--prompt", "w5 w6 w7", "--prompt", "w9",
                        "--max-new-tokens", "6", "--json")
     assert code == 0
-    records = [json.loads(line) for line in out.strip().splitlines()]
-    assert [r["prompt"] for r in records] == ["w5 w6 w7", "w9"]
+    records = json_records(out)
+    assert [r["prompt"] for r in records] == ["w5 w6 w7", "w9"] and [r["index"] for r in records] == [0, 1]
     # chat template applied: <|im_start|> user(unk) w5 w6 w7 <|im_end|> <|im_start|> assistant(unk)
     assert records[0]["prompt_token_ids"] == [1, 0, 8, 9, 10, 2, 1, 0]
     assert records[1]["prompt_token_ids"] == [1, 0, 12, 2, 1, 0]
     for r in records:
         assert r["num_tokens"] == len(r["token_ids"]) and 1 <= r["num_tokens"] <= 6
-        assert r["wall_s"] > 0 and r["tokens_per_s"] > 0 and isinstance(r["text"], str)
+        assert r["request_wall_s"] > 0 and r["request_tokens_per_s"] > 0 and isinstance(r["text"], str)
+    summary = json.loads(out.strip().splitlines()[-1])["summary"]
+    assert summary["requests"] == summary["decoded"] == 2 and summary["aggregate_tokens_per_s"] > 0
+    assert summary["generated_tokens"] == sum(r["num_tokens"] for r in records)
 
 
 def test_prompts_file(capsys, tiny_target_folder, tmp_path):
@@ -40,12 +50,15 @@ def test_prompts_file(capsys, tiny_target_folder, tmp_path):
     code, out, _ = run(capsys, "--target", tiny_target_folder, "--prompts-file", str(f), "--max-new-tokens", "3",
                        "--json", "--raw")
     assert code == 0
-    records = [json.loads(line) for line in out.strip().splitlines()]
+    records = json_records(out)
     assert [r["prompt_token_ids"] for r in records] == [[4, 5], [6]]
 
 
 def test_unknown_target_lists_known(capsys):
-    assert_fails(capsys, "unknown target 'nope': use one of smollm2-135m", "--target", "nope", "--prompt", "hi")
+    from dspark_jax.checkpoints.registry import KNOWN_TARGETS
+
+    assert_fails(capsys, f"unknown target 'nope': use one of {', '.join(sorted(KNOWN_TARGETS))}", "--target", "nope",
+                 "--prompt", "hi")
 
 
 def test_empty_prompt(capsys, tiny_target_folder):
@@ -105,8 +118,11 @@ def test_subprocess_exit_code_and_no_traceback():
     proc = subprocess.run([sys.executable, "-m", "dspark_jax.decode", "--target", "nope", "--prompt", "x"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
+    from dspark_jax.checkpoints.registry import KNOWN_TARGETS
+
     assert proc.stderr.strip().splitlines() == [
-        "error: unknown target 'nope': use one of smollm2-135m, a Hugging Face checkpoint folder or a .gguf file"]
+        f"error: unknown target 'nope': use one of {', '.join(sorted(KNOWN_TARGETS))}, a Hugging Face checkpoint "
+        "folder or a .gguf file"]
 
 
 @pytest.fixture(scope="module")
@@ -133,14 +149,16 @@ def test_speculative_json_matches_plain_greedy(capsys, tiny_target_folder, tiny_
     args = ["--target", tiny_target_folder, "--prompt", "w5 w6 w7", "--prompt", "w9 w1", "--max-new-tokens", "12",
             "--json"]
     code, out, _ = run(capsys, *args)
-    plain = [json.loads(line) for line in out.strip().splitlines()]
+    plain = json_records(out)
     code2, out2, err2 = run(capsys, *args, "--drafter", tiny_drafter, "--gamma", "3", "--scheduler", "fixed",
                             "--compare-ar")
     assert code == 0 and code2 == 0, err2
-    spec = [json.loads(line) for line in out2.strip().splitlines()]
+    spec = json_records(out2)
+    assert json.loads(out2.strip().splitlines()[-1])["summary"]["speedup"] > 0  # --compare-ar: for the whole run
+    assert len(plain) == len(spec) == 2
     for a, b in zip(plain, spec):
         assert a["token_ids"] == b["token_ids"]
-        assert 1.0 <= b["acceptance_length"] <= 4.0 and b["rounds"] >= 1 and b["speedup"] > 0
+        assert 1.0 <= b["acceptance_length"] <= 4.0 and b["rounds"] >= 1
         assert b["verified_tokens"] == 3 * b["rounds"]  # fixed scheduler: every round verifies gamma
         assert len(b["position_reached"]) == 3 and b["position_reached"][0] == b["rounds"]
         assert all(x <= y for x, y in zip(b["position_accepted"], b["position_reached"]))
@@ -161,11 +179,11 @@ def test_confidence_schedulers_from_the_cli(capsys, tiny_target_folder, tiny_dra
     base = ["--target", tiny_target_folder, "--prompt", "w5 w6 w7", "--prompt", "w9 w1", "--max-new-tokens", "10",
             "--json", "--batch-size", "2"]
     code, out, _ = run(capsys, *base)
-    plain = [json.loads(line)["token_ids"] for line in out.strip().splitlines()]
+    plain = [r["token_ids"] for r in json_records(out)]
     args = base + ["--drafter", tiny_drafter, "--scheduler", scheduler, "--sps-table", str(table), "--profile-sps"]
     code, out, err = run(capsys, *args)
     assert code == 0, err
-    assert [json.loads(line)["token_ids"] for line in out.strip().splitlines()] == plain
+    assert [r["token_ids"] for r in json_records(out)] == plain
     if scheduler.startswith("dspark"):
         saved = json.loads(table.read_text())
         assert saved["buckets"] == [1, 2, 4, 8, 10]

@@ -225,6 +225,8 @@ spec_verify = jax.jit(verify_and_commit, static_argnames=_STATIC + ("bucket",), 
 class SpecResult(GenerationResult):
     # Per round: RoundStats as numpy, per row; speculative_generate adds the round's wall time "seconds".
     rounds: list[dict] = dataclasses.field(default_factory=list)
+    # speculative_serve: per request (input order), its RequestStats totals and "wall_s".
+    request_stats: list[dict] = dataclasses.field(default_factory=list)
 
     def acceptance_lengths(self) -> np.ndarray:
         """tau (accepted + bonus) of every (round, active row)."""
@@ -357,51 +359,125 @@ def admit(state: SpecState, new: SpecState, row) -> SpecState:
     return SpecState(cache_row(state.cache, new.cache), draft, key=state.key, sched=state.sched, **per_row)
 
 
+class RequestStats:
+    """Per-slot running totals of the rounds a request took part in (continuous batching): rounds,
+    tau (accepted + bonus) summed, draft tokens verified and, per draft position k, the rounds that
+    reached k (1..k-1 accepted, k verified) and accepted it (decode's JSON fields)."""
+
+    def __init__(self, slots: int, gamma: int):
+        self.k = np.arange(1, gamma + 1)[None, :]
+        self.rounds = np.zeros(slots, np.int64)
+        self.tau = np.zeros(slots, np.int64)
+        self.verified = np.zeros(slots, np.int64)
+        self.reached = np.zeros((slots, gamma), np.int64)
+        self.accepted = np.zeros((slots, gamma), np.int64)
+
+    def add(self, stats: dict) -> None:
+        active, a, n = stats["active"], stats["accepted"], stats["num_draft"]
+        reached = (n[:, None] >= self.k) & (a[:, None] >= self.k - 1) & active[:, None]
+        self.rounds += active
+        self.tau += np.where(active, a + 1, 0)
+        self.verified += np.where(active, n, 0)
+        self.reached += reached
+        self.accepted += reached & (a[:, None] >= self.k)
+
+    def take(self, row: int) -> dict:
+        """The totals of slot `row` (then reset for its next request)."""
+        out = {"rounds": int(self.rounds[row]), "tau_sum": int(self.tau[row]),
+               "verified_tokens": int(self.verified[row]), "position_reached": self.reached[row].tolist(),
+               "position_accepted": self.accepted[row].tolist()}
+        for a in (self.rounds, self.tau, self.verified, self.reached, self.accepted):
+            a[row] = 0
+        return out
+
+
 def speculative_serve(
     target_params: dict, tcfg: ModelConfig, dparams: dict, dcfg: DrafterConfig, prompts: Sequence[Sequence[int]],
     *, slots: int, max_new_tokens: int, cfg: SpecConfig, temperatures: Sequence[float] | None = None, seed: int = 0,
+    on_finish=None, on_progress=None, keep_rounds: bool = True,
 ) -> SpecResult:
     """Continuous batching over `slots` request slots: when a request finishes, the next waiting
     prompt is prefilled into its slot while the other slots keep decoding. Rounds record which
-    request each slot held ("request", -1 for an empty slot)."""
+    request each slot held ("request", -1 for an empty slot) unless keep_rounds=False (a long
+    offline run need not keep every round).
+
+    Every program (the prefill of each prompt-length bucket, the round, the admission) is compiled
+    before the clock starts. on_finish(index, token_ids, stats) is called as each request completes,
+    stats holding its `RequestStats` totals and "wall_s" (its prefill to its last round);
+    on_progress(tokens, seconds) after every round with the tokens generated so far. The result's
+    `request_stats` holds the same dicts in input order."""
     _check_gamma(cfg, dcfg)
     _, _, max_len = pad_prompts(tcfg, prompts, max_new_tokens, slack=cfg.gamma + 1)
     temps = None if temperatures is None else jnp.asarray(temperatures, jnp.float32)
     statics = dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg)
 
-    def prefill(batch, budgets, key):
+    def prefill_args(batch, budgets, key):
         tokens, lengths, _ = pad_prompts(tcfg, batch, max_new_tokens)
-        return spec_prefill(target_params, dparams, jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32),
-                            jnp.asarray(budgets, jnp.int32), key, max_len=max_len, **statics)
+        return (target_params, dparams, jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32),
+                jnp.asarray(budgets, jnp.int32), key)
 
     first = list(prompts[:slots])
     owner = list(range(len(first))) + [-1] * (slots - len(first))
     # Empty slots hold a copy of the first prompt with a budget of 1 token: done at once, never decoded.
-    state = prefill(first + [prompts[0]] * (slots - len(first)),
-                    [max_new_tokens] * len(first) + [1] * (slots - len(first)), jax.random.key(seed))
+    first_args = prefill_args(first + [prompts[0]] * (slots - len(first)),
+                              [max_new_tokens] * len(first) + [1] * (slots - len(first)), jax.random.key(seed))
     t0 = time.perf_counter()
-    run_round = round_program(target_params, dparams, state, temps, **statics)
+    run_first = compiled(spec_prefill, first_args, dict(statics, max_len=max_len))
+    run_round = round_program(target_params, dparams, run_first.out_info, temps, **statics)
+    run_refill, run_admit = {}, {}  # per prompt width bucket
+    for p in prompts[slots:]:
+        args = prefill_args([p], [max_new_tokens], jax.random.key(0))
+        width = args[2].shape[1]
+        if width not in run_refill:
+            run_refill[width] = compiled(spec_prefill, args, dict(statics, max_len=max_len))
+            run_admit[width] = compiled(admit, (run_first.out_info, run_refill[width].out_info, np.int32(0)), {})
+    jax.random.key(seed)  # the refills' key op, compiled here rather than at the first refill
     compile_s = time.perf_counter() - t0
+
     results: list[list[int] | None] = [None] * len(prompts)
-    waiting = len(first)
+    request_stats: list[dict | None] = [None] * len(prompts)
+    totals = RequestStats(slots, cfg.gamma)
+    waiting, finished_tokens, prefill_s = len(first), 0, 0.0
     rounds = []
-    t0 = time.perf_counter()
+    t_start = time.perf_counter()
+    state = run_first(*first_args)
+    jax.block_until_ready(state)
+    prefill_s += time.perf_counter() - t_start
+    started = [t_start] * slots
     while True:
         done, counts = np.asarray(state.done), np.asarray(state.num_generated)
-        output = None
-        for r in range(slots):
-            if owner[r] >= 0 and done[r]:
-                output = np.asarray(state.output) if output is None else output
-                results[owner[r]] = output[r, : counts[r]].tolist()
+        finished = [r for r in range(slots) if owner[r] >= 0 and done[r]]
+        if finished:
+            output, now = np.asarray(state.output), time.perf_counter()
+            for r in finished:
+                i = owner[r]
+                results[i] = output[r, : counts[r]].tolist()
+                request_stats[i] = {**totals.take(r), "wall_s": now - started[r]}
+                finished_tokens += len(results[i])
                 owner[r] = -1
+                if on_finish is not None:
+                    on_finish(i, results[i], request_stats[i])
                 if waiting < len(prompts):
-                    new = prefill([prompts[waiting]], [max_new_tokens], jax.random.key(seed + 1 + waiting))
-                    state = admit(state, new, r)
-                    owner[r] = waiting
+                    t = time.perf_counter()
+                    args = prefill_args([prompts[waiting]], [max_new_tokens], jax.random.key(seed + 1 + waiting))
+                    new = run_refill[args[2].shape[1]](*args)
+                    state = run_admit[args[2].shape[1]](state, new, np.int32(r))
+                    jax.block_until_ready(state)
+                    owner[r], started[r] = waiting, t
                     waiting += 1
+                    prefill_s += time.perf_counter() - t
+            continue  # a refilled request may be done already (a stop token first)
         if all(o < 0 for o in owner):
             break
+        t = time.perf_counter()
         state, stats = run_round(target_params, dparams, state, temps)
         stats = {k: np.asarray(v) for k, v in dataclasses.asdict(stats).items()}
-        rounds.append({"request": np.asarray(owner), **stats})
-    return SpecResult(results, 0.0, time.perf_counter() - t0, compile_s, rounds)
+        totals.add(stats)
+        if keep_rounds:
+            rounds.append({"request": np.asarray(owner), **stats, "seconds": time.perf_counter() - t})
+        if on_progress is not None:
+            counts = np.asarray(state.num_generated)
+            on_progress(finished_tokens + sum(int(counts[r]) for r in range(slots) if owner[r] >= 0),
+                        time.perf_counter() - t_start)
+    wall = time.perf_counter() - t_start
+    return SpecResult(results, prefill_s, wall - prefill_s, compile_s, rounds, request_stats)
