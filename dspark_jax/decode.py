@@ -272,6 +272,9 @@ def tokenize(args, target, requests: list[Request]) -> None:
     from dspark_jax.generate import check_context
 
     tok = target.tokenizer
+    if tok.chat_template is None and not args.raw and any(r.prompt.messages is None for r in requests):
+        print(f"note: {target.name} has no chat template (a base model): prompts are tokenised as raw text"
+              + (" after its BOS" if tok.bos_token_id is not None else ""), file=sys.stderr)
     for r in requests:
         try:
             if r.prompt.messages is not None:

@@ -307,3 +307,23 @@ def test_dspark_drafter_trains_on_gemma3_270m_and_decodes_losslessly(gemma_pair,
     spec = speculative_generate(target.params, target.config, dparams, trainer.dcfg, prompts, max_new_tokens=16,
                                 cfg=SpecConfig(gamma=4, policy="fixed"))
     assert spec.token_ids == plain
+
+
+def test_decode_on_a_base_model_without_chat_template_says_so_and_uses_raw_text(tmp_path_factory, capsys):
+    import json
+
+    from conftest import save_tiny_tokenizer
+    from dspark_jax import decode
+
+    folder = tmp_path_factory.mktemp("tiny-gemma3-base")
+    tiny_hf_gemma(folder)
+    save_tiny_tokenizer(folder)
+    config = folder / "tokenizer_config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "chat_template"}))
+    code = decode.main(["--target", str(folder), "--drafter", "none", "--prompt", "w5 w6 w7", "--max-new-tokens", "3",
+                        "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "has no chat template (a base model): prompts are tokenised as raw text" in err
+    record = json.loads(out.strip().splitlines()[0])
+    assert record["prompt_token_ids"] == [8, 9, 10]  # the words alone: no template around them
