@@ -47,24 +47,45 @@ Each DeepSpec family is a `DeepSpecFormat` in `FORMATS`, chosen by the architect
 config.json (`ARCHITECTURE_KINDS`). The Eagle3 format lives in `dspark_jax/drafters/eagle3.py`,
 which should call `register_format("eagle3", DeepSpecFormat(...))` at import; this module imports
 it on first use. `drafter_config_fields` and `LAYER_NAMES` are meant to be shared with it.
+
+Writing (`save_deepspec_drafter`, `export_drafter`; CLI: `python -m dspark_jax.export`)
+-----------------------------------------------------------------------------------------
+The writer inverts the same tables: every `names` entry (regex -> our path, transpose) is turned
+back into the tensor name (`tensor_name`) and transposed back; `DeepSpecFormat.unit_axis` is the
+one list of tensors stored with a leading unit axis (dropped on read by `prepare`, added on write by
+`restore`); `target_copy` gives the embedding / LM head copies both for writing and for the
+reader's check. config.json is the reference's: its drafter config starts from the target's config
+(its own config.json for a Hugging Face folder, else a Qwen3 config filled from our ModelConfig),
+plus the fields transformers writes into every saved config, the draft layers' shape
+(`shared_config_json`, the inverse of `drafter_config_fields`) and the family's fields
+(`DeepSpecFormat.config_to_json`). Before anything is written the config is read back with the
+family's reader: a drafter field that does not survive (q/k-norm off, a scaled target embedding, a
+draft vocabulary, ...) is one clear UserError; fields that do not change what the drafter computes
+(STS temperatures, training-only settings, the target's name where the family has no key for it)
+go to the side file `dspark_sts.json`. The folder appears atomically and is read back and
+compared, tensor for tensor, before it does.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import os
+import re
+import shutil
+import tempfile
 from typing import Callable
 
 import numpy as np
 
-from dspark_jax.checkpoints.assemble import NameTable, assemble_params, decoder_claims
+from dspark_jax.checkpoints.assemble import NameTable, assemble_params, decoder_claims, flatten
 from dspark_jax.checkpoints.hf import (HF_KEYS, HF_NAMES, iter_safetensors, read_json, safetensors_files,
                                        stored_tensors)
 from dspark_jax.drafters import dspark
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.errors import UserError
-from dspark_jax.models.config import ModelConfig, config_from_hf
+from dspark_jax.models.config import ModelConfig, RopeScaling, config_from_hf
 
 # The decoder-layer names of a DeepSpec drafter are Hugging Face's without the "model." prefix.
 LAYER_NAMES: NameTable = [(pattern.removeprefix(r"model\."), path, transpose)
@@ -90,13 +111,28 @@ MARKOV_HEAD_TYPES = {"vanilla": "markov", "rnn": "rnn"}
 
 @dataclasses.dataclass(frozen=True)
 class DeepSpecFormat:
-    """How one DeepSpec drafter family is read."""
+    """How one DeepSpec drafter family is read and written."""
 
     config_from_json: Callable[[dict, str], DrafterConfig]  # (config.json dict, source) -> config
     param_shapes: Callable[[DrafterConfig], dict]
-    names: NameTable
-    # Fix a tensor's layout before the shape check, e.g. drop a unit axis: (name, array) -> array.
-    prepare: Callable[[str, np.ndarray], np.ndarray] = lambda name, array: array
+    names: NameTable  # read as is, written inverted (`tensor_name`)
+    architecture: str = ""  # the config.json "architectures" entry the reference writes
+    # The family's own config.json fields (the inverse of config_from_json beyond the shared ones):
+    # (config, training-only values such as num_anchors) -> {key: value}.
+    config_to_json: Callable[[DrafterConfig, dict], dict] | None = None
+    # DeepSpec names (regexes) of tensors stored with a leading unit axis that our parameter lacks.
+    unit_axis: tuple[str, ...] = ()
+
+    def _unit(self, name: str) -> bool:
+        return any(re.fullmatch(pattern, name) for pattern in self.unit_axis)
+
+    def prepare(self, name: str, array: np.ndarray) -> np.ndarray:
+        """Reading: drop the unit axis (a wrong shape is left for the shape check to report)."""
+        return array[0] if self._unit(name) and array.ndim >= 1 and array.shape[0] == 1 else array
+
+    def restore(self, name: str, array: np.ndarray) -> np.ndarray:
+        """Writing: the inverse of `prepare`."""
+        return array[None] if self._unit(name) else array
 
 
 FORMATS: dict[str, DeepSpecFormat] = {}
@@ -165,15 +201,30 @@ def dspark_config_from_json(hf: dict, source: str) -> DrafterConfig:
         head=head, markov_rank=rank, confidence=confidence, confidence_with_markov=with_markov)
 
 
-def _squeeze_confidence(name: str, array: np.ndarray) -> np.ndarray:
+# Training-only config keys the reference requires but our DrafterConfig does not hold, with the
+# value written when the drafter's own training metadata does not give one (DeepSpec's recipes).
+DEFAULT_NUM_ANCHORS = 512
+
+
+def dspark_config_to_json(dcfg: DrafterConfig, training: dict) -> dict:
+    """The DSpark / DFlash fields of config.json, as DeepSpec's build_draft_config writes them
+    (confidence_head_with_markov only with the confidence head, markov_head_type only with r > 0)."""
+    out = {"block_size": dcfg.block_size, "mask_token_id": dcfg.mask_token_id,
+           "num_anchors": int(training.get("num_anchors") or DEFAULT_NUM_ANCHORS),
+           "enable_confidence_head": bool(dcfg.confidence)}
+    if dcfg.confidence:
+        out["confidence_head_with_markov"] = bool(dcfg.confidence_with_markov and dcfg.uses_markov_table)
+    out["markov_rank"] = dcfg.markov_rank if dcfg.uses_markov_table else 0
+    if dcfg.uses_markov_table:
+        out["markov_head_type"] = next(t for t, head in MARKOV_HEAD_TYPES.items() if head == dcfg.head)
+    return out
+
+
+register_format("dspark", DeepSpecFormat(
+    dspark_config_from_json, dspark.drafter_param_shapes, DSPARK_NAMES, architecture="Qwen3DSparkModel",
+    config_to_json=dspark_config_to_json,
     # nn.Linear(input, 1): weight [1, input], bias [1] -> our vector w and scalar b.
-    if name.startswith("confidence_head.proj.") and array.ndim >= 1 and array.shape[0] == 1:
-        return array[0]
-    return array
-
-
-register_format("dspark", DeepSpecFormat(dspark_config_from_json, dspark.drafter_param_shapes,
-                                         DSPARK_NAMES, _squeeze_confidence))
+    unit_axis=(r"confidence_head\.proj\.weight", r"confidence_head\.proj\.bias")))
 
 
 def _format_for(hf: dict, source: str) -> tuple[str, DeepSpecFormat]:
@@ -196,14 +247,19 @@ def _format_for(hf: dict, source: str) -> tuple[str, DeepSpecFormat]:
     return kind, FORMATS[kind]
 
 
-def _check_target_copy(name: str, array: np.ndarray, target_params: dict, target_cfg: ModelConfig, source: str):
-    """The drafter's copy of the embedding / LM head must be the target's (DeepSpec layout [V, d])."""
+def target_copy(name: str, target_params: dict, target_cfg: ModelConfig) -> np.ndarray:
+    """The target tensor behind DeepSpec's copy `name`, in DeepSpec's layout [V, d] (a tied LM head
+    is the embedding table). `embed` / `lm_head` are the same in both layer layouts."""
     theirs = TARGET_COPIES[name]
     if theirs == "lm_head" and target_cfg.tie_word_embeddings:
         theirs = "embed"
     ours = np.asarray(target_params[theirs], np.float32)
-    if theirs == "lm_head":
-        ours = ours.T
+    return ours.T if theirs == "lm_head" else ours
+
+
+def _check_target_copy(name: str, array: np.ndarray, target_params: dict, target_cfg: ModelConfig, source: str):
+    """The drafter's copy of the embedding / LM head must be the target's (DeepSpec layout [V, d])."""
+    ours = target_copy(name, target_params, target_cfg)
     if ours.shape != array.shape or not np.allclose(array, ours, rtol=1e-2, atol=1e-3):
         raise UserError(f"{source}: the drafter's {name} differs from the target's: "
                         "this drafter was trained for a different target")
@@ -249,4 +305,366 @@ def load_deepspec_drafter(weights_path: str, config_path: str | None = None, tar
                              ignore=ignore, prepare=fmt.prepare,
                              stored=[t for t in stored if t.name not in TARGET_COPIES],
                              claims=decoder_claims(dcfg.layer_config(), os.path.basename(config_path), HF_KEYS))
-    return dcfg, params
+    # C order: a transposed tensor would otherwise be a Fortran-order view, which safetensors' numpy
+    # save_file (0.8) writes in memory order under the C shape, i.e. scrambled (save_drafter uses it).
+    return dcfg, _contiguous(params)
+
+
+def _contiguous(tree: dict) -> dict:
+    return {k: _contiguous(v) if isinstance(v, dict) else np.asarray(v, order="C") for k, v in tree.items()}
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing: the same tables, inverted
+
+SIDE_FILE = "dspark_sts.json"  # what the layout has no field for (DeepSpec has no STS temperatures)
+WEIGHTS_FILE = "model.safetensors"
+EXPORT_DTYPES = ("bfloat16", "float32")
+
+# Attributes every config transformers saves carries (its PretrainedConfig defaults). The reference's
+# drafter configs have them; a target's own config.json, saved with only its differences, may not.
+TRANSFORMERS_CONFIG_DEFAULTS = {
+    "output_hidden_states": False, "return_dict": True, "chunk_size_feed_forward": 0,
+    "is_encoder_decoder": False, "id2label": {"0": "LABEL_0", "1": "LABEL_1"},
+    "label2id": {"LABEL_0": 0, "LABEL_1": 1}, "problem_type": None, "_name_or_path": "",
+    "output_attentions": False, "_attn_implementation": None,
+}
+# Qwen3Config's remaining fields with their defaults: the base of the drafter config for a target
+# that has no config.json of its own (a GGUF file). The draft layers' shape is written over them.
+QWEN3_CONFIG_DEFAULTS = {
+    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": None, "eos_token_id": None,
+    "pad_token_id": None, "hidden_act": "silu", "initializer_range": 0.02, "max_window_layers": 28,
+    "model_type": "qwen3", "sliding_window": None, "use_cache": True, "use_sliding_window": False,
+}
+
+# Keys of a target's config.json that describe how the TARGET's weights load and must not pass to
+# the drafter's copy: its quantisation (the drafter's weights are plain floats) and its remote code.
+TARGET_ONLY_KEYS = ("quantization_config", "auto_map")
+
+# Why a drafter field that does not survive the round trip through the reader cannot be written.
+_INEXPRESSIBLE = {
+    "qk_norm": "DeepSpec's draft layers are Qwen3 layers, which always have q/k RMSNorm (this drafter has none)",
+    "target_embed_scale": "DeepSpec's Qwen3 drafters embed tokens unscaled; the target scales its embeddings "
+                          "(Gemma-style), which the layout has no field for",
+    "target_hidden_size": "a DeepSpec drafter is exactly as wide as its target (one hidden_size for both)",
+    "target_vocab_size": "a draft vocabulary smaller than the target's needs a draft-to-target token map "
+                         "(d2t), which this export does not write yet",
+    "vocab_size": "a draft vocabulary smaller than the target's needs a draft-to-target token map "
+                  "(d2t), which this export does not write yet",
+}
+
+
+def tensor_name(pattern: str, layer: int | None = None) -> str:
+    """The tensor name a name-table regex matches, its layer group set to `layer`: the writing
+    direction of the same table. Only escaped literals and one (\\d+) layer group can be inverted."""
+    parts = pattern.split(r"(\d+)")
+    if len(parts) > 2 or (len(parts) == 2) != (layer is not None) or any(
+            re.search(r"(?<!\\)[()\[\]{}*+?|^$]", part) for part in parts):
+        raise ValueError(f"name-table entry {pattern!r} cannot be inverted (layer {layer})")
+    name = str(layer).join(re.sub(r"\\(.)", r"\1", part) for part in parts)
+    if re.fullmatch(pattern, name) is None:
+        raise ValueError(f"name-table entry {pattern!r} cannot be inverted")
+    return name
+
+
+def shared_config_json(dcfg: DrafterConfig) -> dict:
+    """The config.json fields every DeepSpec family shares (the inverse of `drafter_config_fields`):
+    the draft layers' shape in Qwen3Config's spelling, the taps and the target's depth."""
+    rope = {"rope_theta": float(dcfg.rope_theta), "rope_type": "default"}
+    if dcfg.rope_scaling is not None:
+        rope.update(rope_type="llama3", **dataclasses.asdict(dcfg.rope_scaling))
+    return {
+        "model_type": "qwen3", "hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
+        "vocab_size": dcfg.vocab_size, "hidden_size": dcfg.hidden_size,
+        "intermediate_size": dcfg.intermediate_size, "num_hidden_layers": dcfg.num_layers,
+        "num_attention_heads": dcfg.num_heads, "num_key_value_heads": dcfg.num_kv_heads,
+        "head_dim": dcfg.head_dim, "max_position_embeddings": dcfg.max_position_embeddings,
+        "rms_norm_eps": dcfg.rms_norm_eps, "rope_parameters": rope, "tie_word_embeddings": False,
+        "layer_types": ["full_attention"] * dcfg.num_layers, "num_target_layers": dcfg.target_num_layers,
+        "target_layer_ids": list(dcfg.target_layer_ids),
+    }
+
+
+def target_config_base(target_cfg: ModelConfig, target_json: dict | None = None, tokenizer=None) -> dict:
+    """The config the reference's drafter config starts from (DeepSpec deep-copies the target's):
+    the target's own config.json when it has one, else a Qwen3 config of our ModelConfig with the
+    tokenizer's special ids. Either way the target-only fields are what survives the overrides."""
+    if target_json is not None:
+        return {k: v for k, v in target_json.items() if k not in TARGET_ONLY_KEYS}
+    base = dict(QWEN3_CONFIG_DEFAULTS, vocab_size=target_cfg.vocab_size, hidden_size=target_cfg.hidden_size,
+                num_hidden_layers=target_cfg.num_layers)
+    if tokenizer is not None:
+        eos = list(tokenizer.eos_token_ids)
+        base.update(bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=eos[0] if len(eos) == 1 else (eos or None))
+    return base
+
+
+def format_of(dcfg: DrafterConfig) -> DeepSpecFormat:
+    kind = dcfg.kind
+    if kind not in FORMATS and kind in FORMAT_MODULES:
+        importlib.import_module(FORMAT_MODULES[kind])
+    fmt = FORMATS.get(kind)
+    if fmt is None or fmt.config_to_json is None:
+        raise UserError(f"{kind} drafters cannot be written in the DeepSpec layout")
+    return fmt
+
+
+def deepspec_config_json(dcfg: DrafterConfig, base: dict | None = None, dtype: str = "float32",
+                         training: dict | None = None) -> dict:
+    """The drafter's config.json: `base` (`target_config_base`) + transformers' saved attributes +
+    the shared fields + the family's fields."""
+    fmt = format_of(dcfg)
+    out = dict(base or {})
+    for key, value in TRANSFORMERS_CONFIG_DEFAULTS.items():
+        out.setdefault(key, value)
+    out.update(shared_config_json(dcfg), architectures=[fmt.architecture], dtype=dtype)
+    if "torch_dtype" in out:  # transformers 4 spelling in the target's file: keep the two in step
+        out["torch_dtype"] = dtype
+    rope = out["rope_parameters"]
+    if "rope_theta" in out:  # the same for a transformers-4 RoPE spelling
+        out["rope_theta"] = rope["rope_theta"]
+    if "rope_scaling" in out:
+        out["rope_scaling"] = dict(rope) if rope["rope_type"] != "default" else None
+    out.update(fmt.config_to_json(dcfg, training or {}))
+    out.update(draft_vocab_config(dcfg))
+    return {"architectures": out.pop("architectures"), **out}
+
+
+def draft_vocab_config(dcfg: DrafterConfig) -> dict:
+    """config.json fields of a draft vocabulary: none today. A drafter with one would add
+    `draft_vocab_size` here and its `d2t` tensor in `draft_vocab_tensors` (vLLM's DSpark and Eagle3
+    loaders read d2t as draft id -> target id offsets); `check_exportable` refuses it until then."""
+    return {}
+
+
+def draft_vocab_tensors(dcfg: DrafterConfig) -> dict:
+    return {}
+
+
+def check_exportable(dcfg: DrafterConfig, training: dict | None = None) -> dict:
+    """Raise a one-line UserError if the layout cannot express what this drafter computes; else
+    return the fields it cannot hold that do not change its outputs ({field: value}, for the side
+    file). Works by writing the config and reading it back with the family's own reader."""
+    fmt = format_of(dcfg)
+    hf = deepspec_config_json(dcfg, training=training)
+    try:
+        back = fmt.config_from_json(hf, "exported config.json")
+    except UserError as e:
+        raise UserError(f"cannot export to the DeepSpec layout: {e}") from None
+    ours, theirs = _meaning(dcfg), _meaning(back)
+    lost = [k for k in ours if ours[k] != theirs[k]]
+    if lost:
+        why = [_INEXPRESSIBLE.get(k, f"{k}={ours[k]!r} has no field in the DeepSpec layout "
+                                     f"(it would read back as {theirs[k]!r})") for k in lost]
+        raise UserError("cannot export to the DeepSpec layout: " + "; ".join(dict.fromkeys(why)))
+    return {f.name: _jsonable(getattr(dcfg, f.name)) for f in dataclasses.fields(dcfg)
+            if getattr(dcfg, f.name) != getattr(back, f.name)}
+
+
+# Fields a family never reads (they do not change what it computes), and training-only ones.
+_UNUSED = {"dspark": ("ttt_steps", "ttt_decay", "ttt_at_anchors"),
+           "eagle3": ("block_size", "mask_token_id", "head", "markov_rank", "confidence",
+                      "confidence_with_markov", "ttt_at_anchors")}
+
+
+def _meaning(dcfg: DrafterConfig) -> dict:
+    """The fields that decide what the drafter computes, canonicalised: equal dicts, same drafter."""
+    d = {f.name: getattr(dcfg, f.name) for f in dataclasses.fields(dcfg)}
+    if dcfg.kind == "dspark":
+        d["markov_rank"] = dcfg.markov_rank if dcfg.uses_markov_table else 0
+        d["confidence_with_markov"] = bool(dcfg.confidence and dcfg.confidence_with_markov and dcfg.uses_markov_table)
+    for name in _UNUSED.get(dcfg.kind, ()) + ("target_name",):
+        d.pop(name)
+    return d
+
+
+def _jsonable(value):
+    if isinstance(value, RopeScaling):
+        return dataclasses.asdict(value)
+    return list(value) if isinstance(value, tuple) else value
+
+
+def deepspec_tensors(dcfg: DrafterConfig, params: dict, target_params: dict, target_cfg: ModelConfig) -> dict:
+    """Every tensor of the DeepSpec checkpoint (float32 numpy, DeepSpec names and layout): the
+    drafter's parameters through the inverted name table, then the target copies."""
+    fmt = format_of(dcfg)
+    flat = {k: np.asarray(v, np.float32) for k, v in flatten(params, "/").items()}
+    want = {k: tuple(v) for k, v in flatten(fmt.param_shapes(dcfg), "/").items()}
+    have = {k: v.shape for k, v in flat.items()}
+    if want != have:
+        diff = sorted(set(want.items()) ^ set(have.items()))[:3]
+        raise UserError(f"drafter parameters do not match its config (first differences: {diff})")
+    out, written = {}, set()
+    for pattern, path, transpose in fmt.names:
+        if path not in flat:
+            continue  # a part this configuration does not have (e.g. the Markov head of DFlash)
+        if path in written:
+            raise ValueError(f"name table sets {path} twice: it cannot be inverted")
+        written.add(path)
+        stacked = path.startswith("layers/")
+        for layer, array in (enumerate(flat[path]) if stacked else [(None, flat[path])]):
+            name = tensor_name(pattern, layer)
+            out[name] = np.asarray(fmt.restore(name, array.T if transpose else array), order="C")
+    unnamed = sorted(set(flat) - written)
+    if unnamed:
+        raise UserError(f"the DeepSpec layout has no tensor for parameter(s) {', '.join(unnamed)}")
+    out.update(draft_vocab_tensors(dcfg))
+    for name in TARGET_COPIES:
+        out[name] = np.asarray(target_copy(name, target_params, target_cfg), order="C")
+    return out
+
+
+def _write_folder(out_dir: str, overwrite: bool, fill: Callable[[str], None]) -> None:
+    """Create `out_dir` atomically: `fill(tmp)` writes into a temporary sibling folder that is
+    renamed into place only when complete (an existing empty folder is replaced in one rename; with
+    `overwrite` an existing one is moved aside first, put back if the rename fails, removed after)."""
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    old = moved = None
+    published = False
+    try:
+        fill(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp's folder is private; an export is data to share
+        if os.path.isdir(out_dir) and os.listdir(out_dir):
+            if not overwrite:  # checked before, but another process may have written meanwhile
+                raise UserError(f"--out {out_dir} is not empty (pass --overwrite to replace it)")
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
+            moved = os.path.join(old, "previous")
+            os.replace(out_dir, moved)
+        os.replace(tmp, out_dir)
+        published = True
+    except OSError as e:
+        raise UserError(f"cannot write {out_dir}: {e.strerror or e}") from None
+    finally:
+        if not published and moved is not None and os.path.exists(moved) and not os.path.exists(out_dir):
+            os.replace(moved, out_dir)  # the previous export stays as it was
+        for leftover in (tmp, old):
+            if leftover is not None and os.path.exists(leftover):
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
+def check_out_dir(out_dir: str, overwrite: bool = False, source: str | None = None) -> None:
+    """--out must be a new or empty folder (or any folder with `overwrite`), and not the source."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"--out {out_dir} exists and is not a folder")
+    if source is not None and os.path.realpath(out_dir) == os.path.realpath(source):
+        raise UserError(f"--out {out_dir} is the drafter folder itself; choose another folder")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise UserError(f"--out {out_dir} is not empty (pass --overwrite to replace it)")
+
+
+def save_deepspec_drafter(out_dir: str, dcfg: DrafterConfig, params: dict, target_cfg: ModelConfig,
+                          target_params: dict, *, target_json: dict | None = None, tokenizer=None,
+                          dtype: str = "bfloat16", sts_temperatures=None, training: dict | None = None,
+                          overwrite: bool = False, side: dict | None = None) -> dict:
+    """Write a drafter in DeepSpec's layout: config.json, model.safetensors (its tensors + the
+    target's embedding / LM head copies, `dtype`) and the side file. The folder is read back with
+    `load_deepspec_drafter` and compared with what was meant before it is renamed into place.
+
+    target_json: the target's own config.json (a Hugging Face folder), else one is made from
+    target_cfg (+ tokenizer's special ids); training: training-only values the reference requires
+    ({"num_anchors": N}); side: extra entries for the side file. Returns a summary dict.
+    """
+    from safetensors.numpy import save_file
+    import ml_dtypes
+
+    if dtype not in EXPORT_DTYPES:
+        raise UserError(f"unsupported export dtype {dtype!r} (one of {', '.join(EXPORT_DTYPES)})")
+    check_out_dir(out_dir, overwrite)
+    dcfg.check_target(target_cfg)
+    outside = check_exportable(dcfg, training)
+    hf = deepspec_config_json(dcfg, target_config_base(target_cfg, target_json, tokenizer), dtype, training)
+    store = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
+    tensors = {k: v.astype(store) for k, v in deepspec_tensors(dcfg, params, target_params, target_cfg).items()}
+    side_file = {"sts_temperatures": None if sts_temperatures is None else [float(t) for t in sts_temperatures],
+                 "block_size": dcfg.block_size, "outside_layout": outside, **(side or {})}
+
+    def fill(folder: str) -> None:
+        weights = os.path.join(folder, WEIGHTS_FILE)
+        save_file(tensors, weights, metadata={"format": "pt"})
+        for name, content in (("config.json", hf), (SIDE_FILE, side_file)):
+            with open(os.path.join(folder, name), "w") as f:
+                json.dump(content, f, indent=2)
+                f.write("\n")
+        for name in os.listdir(folder):
+            os.chmod(os.path.join(folder, name), 0o644)
+        _verify(folder, dcfg, params, store, target_cfg, target_params)
+
+    _write_folder(out_dir, overwrite, fill)
+    return {"out": os.path.abspath(out_dir), "architecture": hf["architectures"][0], "dtype": dtype,
+            "tensors": len(tensors), "bytes": int(sum(t.nbytes for t in tensors.values())),
+            "files": ["config.json", WEIGHTS_FILE, SIDE_FILE], "outside_layout": outside}
+
+
+def _verify(folder: str, dcfg: DrafterConfig, params: dict, store, target_cfg: ModelConfig, target_params: dict) -> None:
+    """Read the written folder back with the reader: the same config meaning and every parameter
+    equal to the drafter's own (rounded to the storage dtype), or the export is not published."""
+    back_cfg, back = load_deepspec_drafter(folder, target_cfg=target_cfg, target_params=target_params)
+    if _meaning(back_cfg) != _meaning(dcfg):
+        raise RuntimeError("the exported config reads back differently (a writer bug)")
+    back = flatten(back, "/")
+    for path, value in flatten(params, "/").items():
+        meant = np.asarray(value, np.float32).astype(store).astype(np.float32)
+        if path not in back or not np.array_equal(back[path], meant):
+            raise RuntimeError(f"exported parameter {path} reads back differently (a writer bug)")
+
+
+def read_side_file(folder: str) -> dict | None:
+    """The side file of an exported folder (STS temperatures, fields outside the layout), or None."""
+    path = os.path.join(folder, SIDE_FILE)
+    if not os.path.exists(path):
+        return None
+    side = read_json(path)
+    if not isinstance(side, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    return side
+
+
+def export_drafter(drafter_dir: str, out_dir: str, target: str | None = None, dtype: str = "bfloat16",
+                   overwrite: bool = False) -> dict:
+    """Our drafter folder (drafter.json + drafter.safetensors) -> a DeepSpec-layout folder. The
+    target (`target` or the one the drafter records) supplies the embedding / LM head copies and
+    the config fields; everything cheap is checked before it is loaded."""
+    from dspark_jax.checkpoints.registry import load_target, resolve_target_path
+    from dspark_jax.drafters.checkpoint import load_drafter, read_drafter_config
+
+    if dtype not in EXPORT_DTYPES:
+        raise UserError(f"unsupported export dtype {dtype!r} (one of {', '.join(EXPORT_DTYPES)})")
+    check_out_dir(out_dir, overwrite, source=drafter_dir)
+    check_exportable(read_drafter_config(drafter_dir))  # before any weights, the target's above all
+    spec = target or read_drafter_config(drafter_dir).target_name
+    if not spec:
+        raise UserError(f"{drafter_dir}: the drafter records no target; pass --target NAME_OR_PATH")
+    name, path = resolve_target_path(spec)
+    drafter = load_drafter(drafter_dir)  # its weights checked against its config
+    if os.path.isdir(path):  # a Hugging Face folder: its config.json is the base; no tokenizer needed
+        from dspark_jax.checkpoints.hf import load_hf_model
+
+        target_json = read_json(os.path.join(path, "config.json"))
+        target_cfg, target_params = load_hf_model(path)
+        tokenizer = None
+    else:  # a known name or a GGUF file: config fields from its shape and tokenizer
+        tgt = load_target(spec, layout="stacked")
+        target_json, target_cfg, target_params, tokenizer = None, tgt.config, tgt.params, tgt.tokenizer
+    drafter.config.check_target(target_cfg, name)
+    dcfg = drafter.config if drafter.config.target_name else drafter.config.replace(target_name=name)
+    summary = save_deepspec_drafter(
+        out_dir, dcfg, drafter.params, target_cfg, target_params, target_json=target_json, tokenizer=tokenizer,
+        dtype=dtype, sts_temperatures=drafter.sts_temperatures, training=_training_values(drafter.metadata),
+        overwrite=overwrite, side={"exported_from": {"drafter": os.path.abspath(drafter_dir), "target": spec}})
+    summary["target"] = spec
+    summary["notes"] = [] if target_json is not None else [
+        f"the target {spec} is a GGUF file: the embedding / LM head copies are its (dequantised) weights "
+        "and config.json is made from its shape; to serve, export against the Hugging Face folder of the "
+        "target you serve (--target DIR)"]
+    return summary
+
+
+def _training_values(metadata: dict) -> dict:
+    """Training-only values the reference's config requires, from our training metadata."""
+    data = (metadata.get("train_config") or {}).get("data") or {} if isinstance(metadata, dict) else {}
+    anchors = data.get("anchors_per_seq") if isinstance(data, dict) else None
+    return {"num_anchors": anchors} if isinstance(anchors, int) and anchors > 0 else {}

@@ -372,8 +372,16 @@ def eagle3_config_from_json(hf: dict, source: str) -> DrafterConfig:
         ttt_steps=int(hf.get("ttt_length", 7)), ttt_decay=float(hf.get("step_loss_decay", 0.8)))
 
 
-deepspec.register_format("eagle3", deepspec.DeepSpecFormat(eagle3_config_from_json, eagle3_param_shapes,
-                                                           DEEPSPEC_EAGLE3_NAMES))
+def eagle3_config_to_json(dcfg: DrafterConfig, training: dict) -> dict:
+    """The inverse of eagle3_config_from_json beyond the shared fields (DeepSpec's Eagle3
+    build_draft_config: target name, TTT length and decay, draft layer count)."""
+    return {"target_model_name_or_path": dcfg.target_name, "ttt_length": dcfg.ttt_steps,
+            "step_loss_decay": dcfg.ttt_decay, "draft_num_hidden_layers": dcfg.num_layers}
+
+
+deepspec.register_format("eagle3", deepspec.DeepSpecFormat(
+    eagle3_config_from_json, eagle3_param_shapes, DEEPSPEC_EAGLE3_NAMES, architecture="Qwen3Eagle3Model",
+    config_to_json=eagle3_config_to_json))
 
 
 def load_deepspec_eagle3(weights_path: str, config_path: str | None = None, target_name: str = "",
