@@ -37,6 +37,19 @@ def test_round_trip_with_temperatures(tmp_path):
     assert os.stat(os.path.join(path, "drafter.safetensors")).st_mode & 0o044 == 0o044  # readable by others
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_transposed_arrays_round_trip(tmp_path, dtype):
+    """Arrays in Fortran order (a transpose, as loaders of [out, in] weights make) come back as they
+    were, not as their memory read in C order."""
+    params = jax.tree.map(np.asarray, jax.device_get(init_drafter_params(DCFG, jax.random.key(1))))
+    params["fc"] = np.asfortranarray(params["fc"])
+    assert not params["fc"].flags.c_contiguous
+    save_drafter(str(tmp_path / "d"), DCFG, params, dtype=dtype)
+    loaded = load_drafter(str(tmp_path / "d"), TARGET, "tiny")
+    want = params["fc"] if dtype == "float32" else params["fc"].astype(jax.numpy.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(loaded.params["fc"], np.float32), want)
+
+
 def test_wrong_target_is_a_clear_error(tmp_path):
     save_drafter(str(tmp_path / "d"), DCFG, jax.device_get(init_drafter_params(DCFG, jax.random.key(0))))
     with pytest.raises(UserError, match="drafter was trained for target tiny"):

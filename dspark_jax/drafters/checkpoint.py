@@ -34,7 +34,9 @@ def save_drafter(path: str, cfg: DrafterConfig, params: dict, *, sts_temperature
     import ml_dtypes
 
     store = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
-    flat = {k: np.asarray(v, dtype=np.float32).astype(store) for k, v in flatten(params, ".").items()}
+    # C order: safetensors writes an array's memory as is, so a transposed (Fortran-order) one, e.g.
+    # a weight loaded from DeepSpec's [out, in], would come back scrambled.
+    flat = {k: np.asarray(np.asarray(v, dtype=np.float32).astype(store), order="C") for k, v in flatten(params, ".").items()}
     meta = {"format_version": FORMAT_VERSION, "config": dataclasses.asdict(cfg),
             "sts_temperatures": None if sts_temperatures is None else [float(t) for t in sts_temperatures],
             "storage_dtype": dtype, "metadata": metadata or {}}
