@@ -8,6 +8,30 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Several fake CPU devices for the sharding tests; must be set before JAX initialises.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+ALLOW_FEWER_DEVICES = "DSPARK_ALLOW_FEWER_DEVICES"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", f"needs_devices(n): needs n JAX devices; FAILS with fewer unless {ALLOW_FEWER_DEVICES}=1 "
+                                       "(then skips)")
+
+
+def pytest_runtest_setup(item):
+    """A test marked needs_devices(n) fails (not skips) when fewer than n devices are visible, so a
+    run that silently lost its fake devices cannot pass; DSPARK_ALLOW_FEWER_DEVICES=1 turns it into a skip."""
+    marker = item.get_closest_marker("needs_devices")
+    if marker is None:
+        return
+    import jax
+
+    need, have = marker.args[0], jax.device_count()
+    if have >= need:
+        return
+    message = (f"needs {need} JAX devices, {have} visible (XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}); run with "
+               f"XLA_FLAGS=--xla_force_host_platform_device_count={need} on CPU, or set {ALLOW_FEWER_DEVICES}=1 to skip")
+    if os.environ.get(ALLOW_FEWER_DEVICES) == "1":
+        pytest.skip(message)
+    pytest.fail(message, pytrace=False)
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
