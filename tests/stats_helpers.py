@@ -20,32 +20,64 @@ def reference_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1
     p = np.exp(z - z.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     if top_p < 1.0:
-        above = np.sum(np.where(z[..., None, :] > z[..., :, None], p[..., None, :], 0.0), axis=-1)
+        # above[v] = the mass of the tokens with a strictly larger logit than v's: in descending order,
+        # the mass before the first token of v's run of equal logits
+        order = np.argsort(-z, axis=-1, kind="stable")
+        zs, ps = np.take_along_axis(z, order, -1), np.take_along_axis(p, order, -1)
+        before = np.cumsum(ps, -1) - ps
+        index = np.broadcast_to(np.arange(V), zs.shape)
+        new_run = np.concatenate([np.ones_like(zs[..., :1], bool), zs[..., 1:] != zs[..., :-1]], -1)
+        run_start = np.maximum.accumulate(np.where(new_run, index, 0), axis=-1)
+        above = np.empty_like(p)
+        np.put_along_axis(above, order, np.take_along_axis(before, run_start, -1), -1)
         p = np.where(above < top_p, p, 0.0)
         p /= p.sum(-1, keepdims=True)
     return p
 
 
+def _pooled(observed: np.ndarray, expected: np.ndarray, min_expected: float):
+    """Cells expected to hold at least `min_expected` draws, plus one cell pooling the rest (merged
+    into the smallest kept cell if the pool itself is expected to hold fewer)."""
+    big = expected >= min_expected
+    rest = (~big) & (expected > 0)
+    obs, exp = list(observed[big]), list(expected[big])
+    if rest.any():
+        o, e = observed[rest].sum(), expected[rest].sum()
+        if e >= min_expected or not obs:
+            obs.append(o)
+            exp.append(e)
+        else:
+            i = int(np.argmin(exp))
+            obs[i] += o
+            exp[i] += e
+    return np.array(obs, np.float64), np.array(exp, np.float64)
+
+
+def stratified_chi_square_pvalue(observed, expected, min_expected: float = 5.0) -> float:
+    """Pearson goodness of fit of observed counts [S, V] to expected counts [S, V], where each
+    stratum (row) holds the same total in both: the statistics of the strata add up, with
+    sum_s (cells_s - 1) degrees of freedom. A draw in a cell of expectation exactly 0 is an outright
+    failure (p-value 0). When the expectations are sums of per-sample probabilities that differ from
+    sample to sample, the test is conservative (the counts vary less than multinomially)."""
+    observed, expected = np.asarray(observed, np.float64), np.asarray(expected, np.float64)
+    assert observed.shape == expected.shape and observed.ndim == 2
+    np.testing.assert_allclose(observed.sum(1), expected.sum(1), rtol=1e-6, atol=1e-6)
+    if observed[expected == 0].sum() > 0:
+        return 0.0
+    stat, dof = 0.0, 0
+    for o, e in zip(observed, expected):
+        o, e = _pooled(o, e, min_expected)
+        if len(o) >= 2:
+            stat += float(np.sum((o - e) ** 2 / e))
+            dof += len(o) - 1
+    return float(stats.chi2.sf(stat, dof)) if dof else 1.0
+
+
 def chi_square_pvalue(counts, probs, min_expected: float = 5.0) -> float:
-    """Pearson goodness of fit of `counts` (any shape) to `probs` (same shape, summing to 1). Cells
-    expected to hold fewer than `min_expected` draws are pooled into one; a draw in a cell of
-    probability exactly 0 is an outright failure (p-value 0)."""
+    """Pearson goodness of fit of `counts` (any shape) to `probs` (same shape, summing to 1)."""
     counts, probs = np.ravel(np.asarray(counts, np.float64)), np.ravel(np.asarray(probs, np.float64))
     assert counts.shape == probs.shape and abs(probs.sum() - 1) < 1e-6, probs.sum()
-    if counts[probs == 0].sum() > 0:
-        return 0.0
-    n = counts.sum()
-    expected = n * probs
-    big = expected >= min_expected
-    obs, exp = list(counts[big]), list(expected[big])
-    rest = (~big) & (probs > 0)
-    if rest.any():
-        obs.append(counts[rest].sum())
-        exp.append(expected[rest].sum())
-    obs, exp = np.array(obs), np.array(exp)
-    if len(obs) < 2:
-        return 1.0
-    return float(stats.chi2.sf(np.sum((obs - exp) ** 2 / exp), len(obs) - 1))
+    return stratified_chi_square_pvalue(counts[None], counts.sum() * probs[None], min_expected)
 
 
 def total_variation(counts, probs) -> float:
