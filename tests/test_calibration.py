@@ -147,14 +147,18 @@ def test_roc_auc_known_values():
     assert math.isnan(roc_auc([0.1, 0.2], [1, 1])) and math.isnan(roc_auc([0.1, 0.2], [0, 0]))
 
 
+def pairwise_auc(scores, labels):
+    """ROC-AUC by counting (positive, negative) pairs, ties one half (the reference for roc_auc)."""
+    scores, labels = np.asarray(scores, np.float64), np.asarray(labels, bool)
+    diff = scores[labels][:, None] - scores[~labels][None, :]
+    return (np.sum(diff > 0) + 0.5 * np.sum(diff == 0)) / diff.size
+
+
 def test_roc_auc_matches_pairwise_count_with_many_ties():
     rng = np.random.default_rng(3)
     scores = rng.integers(0, 5, size=300).astype(float)
     labels = rng.random(300) < 0.3 + 0.1 * scores
-    pos, neg = scores[labels], scores[~labels]
-    diff = pos[:, None] - neg[None, :]
-    expected = (np.sum(diff > 0) + 0.5 * np.sum(diff == 0)) / diff.size
-    assert roc_auc(scores, labels) == pytest.approx(expected, abs=1e-12)
+    assert roc_auc(scores, labels) == pytest.approx(pairwise_auc(scores, labels), abs=1e-12)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -186,14 +190,23 @@ def test_sts_is_order_preserving():
         c = 1 / (1 + np.exp(-z / t))
         assert roc_auc(c, labels) == pytest.approx(base, abs=1e-12)
         np.testing.assert_array_equal(np.argsort(c, kind="stable"), np.argsort(z, kind="stable"))
-    # in a report: a_1 = c_1 keeps its AUC; the per-position AUC of c_k itself (conditional on
-    # reaching k) does not depend on the temperatures at all
+    # in a report, against AUCs counted pair by pair in numpy: a_k raw and after STS, and c_k among
+    # the rounds that reached k; a_1 = c_1 keeps its AUC under any temperature, and so does c_k
     z2, acc2 = simulate_rounds(2000, 3, seed=4)
-    r1 = calibration_report(z2, acc2, temperatures=[1.0, 1.0, 1.0])
-    r2 = calibration_report(z2, acc2, temperatures=[3.0, 0.7, 5.0])
-    assert r2["auc_sts"][0] == pytest.approx(r2["auc_raw"][0], abs=1e-12)
-    assert r1["auc_conditional"] == r2["auc_conditional"]
-    assert r1["auc_raw"] == r2["auc_raw"]
+    temps = np.array([3.0, 0.7, 5.0])
+    r = calibration_report(z2, acc2, temperatures=temps)
+    sigmoid = lambda x: 1 / (1 + np.exp(-x))  # noqa: E731
+    for k in range(3):
+        event = acc2 >= k + 1
+        raw, sts = np.prod(sigmoid(z2[:, :k + 1]), 1), np.prod(sigmoid(z2[:, :k + 1] / temps[:k + 1]), 1)
+        assert r["auc_raw"][k] == pytest.approx(pairwise_auc(raw, event), abs=1e-12)
+        assert r["auc_sts"][k] == pytest.approx(pairwise_auc(sts, event), abs=1e-12)
+        reached = acc2 >= k
+        conditional = pairwise_auc(z2[reached, k], event[reached])
+        assert r["auc_conditional"][k] == pytest.approx(conditional, abs=1e-12)
+        assert pairwise_auc(sigmoid(z2[reached, k] / temps[k]), event[reached]) == pytest.approx(conditional, abs=1e-12)
+    assert r["auc_sts"][0] == pytest.approx(r["auc_raw"][0], abs=1e-12)
+    assert abs(r["auc_sts"][2] - r["auc_raw"][2]) > 1e-4  # a product of several factors can reorder
 
 
 def test_earlier_temperatures_can_change_the_auc_of_a_k():

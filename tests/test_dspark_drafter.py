@@ -6,7 +6,6 @@ import os
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -16,7 +15,8 @@ from dspark_jax.drafters import dspark
 from dspark_jax.drafters.deepspec import load_deepspec_drafter
 from dspark_jax.errors import UserError
 from dspark_jax.models import decoder
-from dspark_jax.sampling import SamplingConfig, processed_log_probs, sample
+from dspark_jax.sampling import SamplingConfig
+from stats_helpers import P_MIN, reference_probs, stratified_chi_square_pvalue
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "deepspec")
 VARIANTS = ("dspark_markov", "dspark_rnn", "dflash")
@@ -24,8 +24,6 @@ VARIANTS = ("dspark_markov", "dspark_rnn", "dflash")
 train_forward = jax.jit(dspark.train_forward, static_argnums=(1, 3))
 append_context = jax.jit(dspark.append_context, static_argnums=(1,))
 propose = jax.jit(dspark.propose, static_argnums=(1, 3, 7))
-sample = jax.jit(sample, static_argnums=2)
-processed_log_probs = jax.jit(processed_log_probs, static_argnums=1)
 
 
 @pytest.fixture(scope="module")
@@ -286,7 +284,6 @@ def test_scan_sampling_equals_python_loop(variant, sampling, drafters, target, i
     key = jax.random.key(7)
     prop = jax.tree.map(np.asarray, propose(dparams, dcfg, tparams, tcfg, cache, anchors, key, sampling))
     base = np.asarray(decoder.logits(tparams, tcfg, prop.hidden))
-    keys = jax.random.split(key, dcfg.block_size)
     prev, state = anchors, np.zeros((2, dcfg.markov_rank), np.float32)
     w = np.asarray(dparams["confidence"]["w"])
     for k in range(dcfg.block_size):
@@ -296,13 +293,53 @@ def test_scan_sampling_equals_python_loop(variant, sampling, drafters, target, i
         bias, state = reference_head_bias(dcfg, dparams, prev, prop.hidden[:, k], state)
         logits = base[:, k] + bias
         np.testing.assert_allclose(prop.logits[:, k], logits, atol=1e-4, rtol=0)
-        token = np.asarray(sample(keys[k], jnp.asarray(prop.logits[:, k]), sampling))
-        np.testing.assert_array_equal(prop.tokens[:, k], token)
-        np.testing.assert_allclose(prop.log_probs[:, k], processed_log_probs(jnp.asarray(logits), sampling),
-                                   atol=1e-4, rtol=0)
+        # the processed distribution, from its definition in numpy (not the sampler under test)
+        want = (reference_probs(logits, 1.0) if sampling.greedy  # greedy: the plain softmax
+                else reference_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p))
+        np.testing.assert_array_equal(np.isneginf(prop.log_probs[:, k]), want == 0)
+        np.testing.assert_allclose(np.exp(prop.log_probs[:, k]), want, atol=1e-4, rtol=0)
+        token = prop.tokens[:, k]
+        if sampling.greedy:
+            np.testing.assert_array_equal(token, np.argmax(logits, -1))
+        else:  # a token the processed distribution allows (its frequencies: the test below)
+            assert (want[np.arange(2), token] > 0).all()
         prev = token
     if not sampling.greedy:  # the log-probs are the processed (truncated) distribution
         assert np.isinf(prop.log_probs).any()
+
+
+@pytest.mark.parametrize("variant", ["dspark_markov", "dspark_rnn"])
+def test_scan_draws_follow_the_sequential_head(variant, drafters, target, inputs):
+    """The tokens the scan samples, over 20000 keys: at each slot k, the counts of (row, previous
+    token, token) match the processed softmax(U_k + B_k(prev)) computed in numpy for each draw's own
+    previous token and recurrent state (chi-square stratified by row and previous token). The
+    fixture's logits are nearly flat (std 0.16) and its head bias tiny, so the test sharpens both
+    (T = 0.1, W2 x 20) to give wrong temperatures or a wrongly fed head something to show."""
+    dcfg, dparams = drafters[variant]
+    dparams = dict(dparams, markov=dict(dparams["markov"], w2=dparams["markov"]["w2"] * 20.0))
+    tcfg, tparams = target
+    sampling = SamplingConfig(temperature=0.1, top_k=40, top_p=0.95)
+    lengths = np.array([21, 30], np.int32)
+    cache = build_cache(dcfg, dparams, inputs["target_hidden_states"], lengths)
+    anchors = inputs["input_ids"][[0, 1], lengths].astype(np.int32)
+    n = 20000
+    many = jax.jit(jax.vmap(lambda key: dspark.propose(dparams, dcfg, tparams, tcfg, cache, anchors, key, sampling).tokens))
+    tokens = np.asarray(many(jax.random.split(jax.random.key(5), n))).reshape(2 * n, -1)  # [row-major draws, g]
+    prop = propose(dparams, dcfg, tparams, tcfg, cache, anchors, jax.random.key(0), sampling)
+    hidden = np.tile(np.asarray(prop.hidden), (n, 1, 1))  # key-independent backbone output
+    base = np.tile(np.asarray(decoder.logits(tparams, tcfg, prop.hidden)), (n, 1, 1))
+    row = np.tile(np.arange(2), n)
+    prev, state, V = np.tile(anchors, n), np.zeros((2 * n, dcfg.markov_rank), np.float32), base.shape[-1]
+    for k in range(dcfg.block_size):
+        bias, state = reference_head_bias(dcfg, dparams, prev, hidden[:, k], state)
+        probs = reference_probs(base[:, k] + bias, sampling.temperature, sampling.top_k, sampling.top_p)
+        stratum = row * V + prev
+        observed, expected = np.zeros((2 * V, V)), np.zeros((2 * V, V))
+        np.add.at(observed, (stratum, tokens[:, k]), 1)
+        np.add.at(expected, stratum, probs)
+        pvalue = stratified_chi_square_pvalue(observed, expected)
+        assert pvalue > P_MIN, (k, pvalue)
+        prev = tokens[:, k]
 
 
 # --------------------------------------------------------------------------------------------------

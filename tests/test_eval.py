@@ -134,16 +134,71 @@ def test_numbers_are_consistent(evaluated):
         assert r["macro_tau"] == pytest.approx(np.mean([m["tau"] for m in benches.values()]))
 
 
-def test_same_prompts_and_seeds_across_drafters(evaluated):
+def pairwise_auc(scores, labels):
+    """ROC-AUC by counting (positive, negative) pairs, ties one half."""
+    scores, labels = np.asarray(scores), np.asarray(labels, bool)
+    diff = scores[labels][:, None] - scores[~labels][None, :]
+    return (np.sum(diff > 0) + 0.5 * np.sum(diff == 0)) / diff.size
+
+
+def engine_rounds(target_folder, drafter_path, prompts):
+    """The protocol eval documents, run on the engine directly (not through eval or calibrate): the
+    chat-templated prompts in batches of 2, seed 3 + the batch's first prompt index, every round
+    verifying all 4 draft tokens, T = 1, at most 16 new tokens, stopping at EOS. Returns (accepted
+    per round, confidence logits per round, generated tokens)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspark_jax.checkpoints.registry import load_target
+    from dspark_jax.drafters.checkpoint import load_drafter
+    from dspark_jax.engine.speculative import SpecConfig, speculative_generate
+    from dspark_jax.sampling import SamplingConfig
+
+    target, loaded = load_target(target_folder), load_drafter(drafter_path)
+    dparams = jax.tree.map(jnp.asarray, loaded.params)
+    cfg = SpecConfig(gamma=4, sampling=SamplingConfig(1.0), policy="fixed",
+                     stop_ids=tuple(target.tokenizer.eos_token_ids))
+    encoded = [target.tokenizer.chat_prompt_ids(p) for p in prompts]
+    accepted, logits, generated = [], [], 0
+    for start in range(0, len(encoded), 2):
+        result = speculative_generate(target.params, target.config, dparams, loaded.config, encoded[start:start + 2],
+                                      max_new_tokens=16, cfg=cfg, seed=3 + start)
+        generated += sum(len(ids) for ids in result.token_ids)
+        for r in result.rounds:
+            accepted.append(r["accepted"][r["active"]])
+            logits.append(r["confidence_logits"][r["active"]])
+    return np.concatenate(accepted), np.concatenate(logits), generated
+
+
+def test_every_drafter_reports_its_own_engine_rounds(evaluated, setup, tiny_target_folder):
+    """Each label's numbers are those of ITS drafter on the same prompts and seeds, recomputed from the
+    engine's rounds in numpy: "again" (the dspark checkpoint under a second label) and dflash too."""
     _, report, _ = evaluated
-    dspark, again, dflash = (report["drafters"][k] for k in ("dspark", "again", "dflash"))
-    assert {k: v for k, v in dspark.items() if k != "path"} == {k: v for k, v in again.items() if k != "path"}
-    for name in dspark["benchmarks"]:
-        assert dspark["benchmarks"][name]["prompts"] == dflash["benchmarks"][name]["prompts"]
+    limited = {name: prompts[:3] for name, prompts in BENCHES.items()}  # --limit 3
+    runs = {path: [engine_rounds(tiny_target_folder, path, limited[name]) for name in ("m1", "m2", "chat")]
+            for path in (setup["dspark"], setup["dflash"])}
+    for label, path in (("dspark", setup["dspark"]), ("again", setup["dspark"]), ("dflash", setup["dflash"])):
+        r = report["drafters"][label]
+        everything = runs[path]
+        for name, (acc, _, generated) in zip(("m1", "m2", "chat"), everything):
+            m = r["benchmarks"][name]
+            assert m["prompts"] == len(limited[name]) and m["rounds"] == len(acc), (label, name)
+            assert m["accepted_histogram"] == np.bincount(acc, minlength=5).tolist(), (label, name)
+            assert m["generated_tokens"] == generated and m["tau"] == pytest.approx(1 + acc.mean()), (label, name)
+        if label != "dflash":  # calibration of the prefix survival a_k, raw and with the stored STS temperatures
+            acc = np.concatenate([e[0] for e in everything])
+            z = np.concatenate([e[1] for e in everything]).astype(np.float64)
+            cal = r["overall"]["calibration"]
+            for k in range(4):
+                event = acc >= k + 1
+                if 0 < event.sum() < len(event):
+                    raw = np.prod(1 / (1 + np.exp(-z[:, :k + 1])), axis=1)
+                    sts = np.prod(1 / (1 + np.exp(-z[:, :k + 1] / np.array(STS[:k + 1]))), axis=1)
+                    assert cal["auc_raw"][k] == pytest.approx(pairwise_auc(raw, event), abs=1e-9), (label, k)
+                    assert cal["auc_sts"][k] == pytest.approx(pairwise_auc(sts, event), abs=1e-9), (label, k)
     rows = report["comparison"]["rows"]
     for col in report["comparison"]["columns"]:
         assert rows["dflash"][col]["gain"] == 0.0
-        assert rows["again"][col] == rows["dspark"][col]
         assert rows["dspark"][col]["gain"] == pytest.approx(rows["dspark"][col]["tau"] / rows["dflash"][col]["tau"] - 1)
 
 
