@@ -29,7 +29,6 @@ tokens, which is checked and reported. Writes <out>.md and <out>.json (command, 
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import sys
 
@@ -74,12 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def eval_prompts(tokenizer, count: int, max_prompt_tokens: int) -> list[list[int]]:
     """`count` chat-templated eval prompts, math / code / chat in turn."""
-    per_domain = [common.eval_prompts(tokenizer, sets, count, max_prompt_tokens) for sets in common.DOMAINS.values()]
-    mixed = [p for group in itertools.zip_longest(*per_domain) for p in group if p is not None]
-    if len(mixed) < count:
-        raise UserError(f"only {len(mixed)} eval prompts of at most {max_prompt_tokens} tokens; lower --prompts or "
-                        "raise --max-prompt-tokens")
-    return mixed[:count]
+    return common.mixed_eval_prompts(tokenizer, count, max_prompt_tokens)
 
 
 def decode_args(args, drafter: str, count: int):

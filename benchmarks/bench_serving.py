@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import os
 import sys
 import types
@@ -71,12 +70,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def serving_prompts(tokenizer, count: int, max_prompt_tokens: int) -> list[list[int]]:
     """`count` eval prompts, math / code / chat in turn."""
-    per_domain = [common.eval_prompts(tokenizer, sets, count, max_prompt_tokens) for sets in common.DOMAINS.values()]
-    mixed = [p for group in itertools.zip_longest(*per_domain) for p in group if p is not None]
-    if len(mixed) < count:
-        raise UserError(f"only {len(mixed)} eval prompts of at most {max_prompt_tokens} tokens per domain mix; "
-                        "lower --concurrency or --rounds, or raise --max-prompt-tokens")
-    return mixed[:count]
+    return common.mixed_eval_prompts(tokenizer, count, max_prompt_tokens)
 
 
 def summarize(results, concurrency: int, eos_ids) -> dict:

@@ -6,28 +6,13 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shlex
 import sys
 
+from dspark_jax.data.splits import BENCHMARK_DOMAINS as DOMAINS, eval_prompts, mixed_eval_prompts  # noqa: F401
+from dspark_jax.engine.sps import machine  # noqa: F401  (results files record it)
+
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    import jax
-
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "jax": jax.__version__,
-            "jax_backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()]}
 
 
 def write_results(name: str, results: dict, markdown: str, directory: str = RESULTS_DIR) -> tuple[str, str]:
@@ -108,30 +93,6 @@ def choose(text: str, known, what: str) -> list[str]:
 
 
 SCHEDULERS = ("fixed", "mtp1", "threshold", "dspark", "dspark-async")  # `decode --scheduler` choices
-
-# The evaluation domains of the speed benchmarks, each a mix of prompt sets (eval split only).
-DOMAINS = {"math": ("gsm8k", "math500"), "code": ("humaneval", "mbpp"), "chat": ("arena-hard-v2",)}
-
-
-def eval_prompts(tokenizer, sets, limit: int, max_prompt_tokens: int) -> list[list[int]]:
-    """Chat-templated token ids of up to `limit` prompts from the EVAL split of `sets` (never trained
-    on; dspark_jax/data/splits.py), taken round robin over the sets in file order, skipping prompts
-    longer than `max_prompt_tokens`."""
-    from dspark_jax.data.splits import get_split, parse_sets
-
-    pools = [iter(get_split(s, "eval")) for s in parse_sets(",".join(sets))]
-    out: list[list[int]] = []
-    while pools and len(out) < limit:
-        for pool in list(pools):
-            text = next(pool, None)
-            if text is None:
-                pools.remove(pool)
-                continue
-            ids = tokenizer.chat_prompt_ids(text)
-            if len(ids) <= max_prompt_tokens and len(out) < limit:
-                out.append(ids)
-    return out
-
 
 def speculative_runner(args, target, *, scheduler: str, batch_size: int, profile_sps: bool = False):
     """The run of `python -m dspark_jax.decode --drafter ...` (dspark_jax.decode.load_speculative):

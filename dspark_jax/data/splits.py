@@ -115,3 +115,40 @@ def parse_sets(spec: str) -> list[str]:
     if not names:
         raise UserError("no prompt sets given (e.g. --sets gsm8k,humaneval)")
     return list(dict.fromkeys(names))
+
+
+# The domains the speed and serving benchmarks (and the serving simulator's recordings) measure:
+# a mix of each domain's main sets, eval split only.
+BENCHMARK_DOMAINS: dict[str, tuple[str, ...]] = {"math": ("gsm8k", "math500"), "code": ("humaneval", "mbpp"),
+                                                 "chat": ("arena-hard-v2",)}
+
+
+def eval_prompts(tokenizer, sets, limit: int, max_prompt_tokens: int) -> list[list[int]]:
+    """Chat-templated token ids of up to `limit` prompts from the EVAL split of `sets` (never trained
+    on), taken round robin over the sets in file order, skipping prompts longer than
+    `max_prompt_tokens`."""
+    pools = [iter(get_split(s, "eval")) for s in parse_sets(",".join(sets))]
+    out: list[list[int]] = []
+    while pools and len(out) < limit:
+        for pool in list(pools):
+            text = next(pool, None)
+            if text is None:
+                pools.remove(pool)
+                continue
+            ids = tokenizer.chat_prompt_ids(text)
+            if len(ids) <= max_prompt_tokens and len(out) < limit:
+                out.append(ids)
+    return out
+
+
+def mixed_eval_prompts(tokenizer, count: int, max_prompt_tokens: int) -> list[list[int]]:
+    """`count` eval prompts of the benchmark domains, math / code / chat in turn (what
+    benchmarks/bench_serving.py serves and the simulator records)."""
+    import itertools
+
+    per_domain = [eval_prompts(tokenizer, sets, count, max_prompt_tokens) for sets in BENCHMARK_DOMAINS.values()]
+    mixed = [p for group in itertools.zip_longest(*per_domain) for p in group if p is not None]
+    if len(mixed) < count:
+        raise UserError(f"only {len(mixed)} eval prompts of at most {max_prompt_tokens} tokens in the math / code / "
+                        "chat mix: ask for fewer or raise the prompt-length limit")
+    return mixed[:count]

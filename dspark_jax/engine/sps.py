@@ -147,6 +147,23 @@ def device_kind() -> str:
     return jax.devices()[0].device_kind
 
 
+def machine() -> dict[str, Any]:
+    """What results files record about the machine they were measured on (CPU model, cores, JAX)."""
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "jax": jax.__version__, "jax_backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()]}
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 

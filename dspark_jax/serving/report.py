@@ -4,30 +4,13 @@ from __future__ import annotations
 
 import datetime
 import os
-import platform
 import shlex
 import sys
 from typing import Any, Sequence
 
+from dspark_jax.engine.sps import machine
 from dspark_jax.serving.rounds import write_json
 from dspark_jax.serving.simulator import gains_over, pareto_front
-
-
-def machine() -> dict[str, Any]:
-    """The machine the simulation ran on (as benchmarks/common.py records it)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    import jax
-
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "jax": jax.__version__, "jax_backend": jax.default_backend()}
 
 
 def meta(argv: Sequence[str] | None) -> dict[str, Any]:

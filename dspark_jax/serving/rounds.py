@@ -177,38 +177,11 @@ def write_json(path: str, obj: Any, indent: int | None = 1) -> None:
     os.replace(tmp, path)
 
 
-DOMAINS = {"math": ("gsm8k", "math500"), "code": ("humaneval", "mbpp"), "chat": ("arena-hard-v2",)}
-
-
 def serving_prompts(tokenizer, count: int, max_prompt_tokens: int) -> list[list[int]]:
-    """The prompts benchmarks/bench_serving.py serves (its `serving_prompts`, restated here because
-    the package cannot import the benchmarks): per domain, the eval split of its sets round robin in
-    file order, skipping prompts longer than max_prompt_tokens after the chat template; then the
-    domains interleaved math, code, chat; the first `count`."""
-    import itertools
+    """The prompts benchmarks/bench_serving.py serves: eval prompts, math / code / chat in turn."""
+    from dspark_jax.data.splits import mixed_eval_prompts
 
-    from dspark_jax.data.splits import get_split, parse_sets
-
-    def domain_prompts(sets) -> list[list[int]]:
-        pools = [iter(get_split(s, "eval")) for s in parse_sets(",".join(sets))]
-        out: list[list[int]] = []
-        while pools and len(out) < count:
-            for pool in list(pools):
-                text = next(pool, None)
-                if text is None:
-                    pools.remove(pool)
-                    continue
-                ids = tokenizer.chat_prompt_ids(text)
-                if len(ids) <= max_prompt_tokens and len(out) < count:
-                    out.append(ids)
-        return out
-
-    per_domain = [domain_prompts(sets) for sets in DOMAINS.values()]
-    mixed = [p for group in itertools.zip_longest(*per_domain) for p in group if p is not None]
-    if len(mixed) < count:
-        raise UserError(f"only {len(mixed)} eval prompts of at most {max_prompt_tokens} tokens; "
-                        "lower --prompts or raise --max-prompt-tokens")
-    return mixed[:count]
+    return mixed_eval_prompts(tokenizer, count, max_prompt_tokens)
 
 
 def _shown_path(path: str) -> str:
