@@ -76,6 +76,20 @@ NON_NEGATIVE_FLOAT = flag(float, ge=0)
 UNIT_INTERVAL = flag(float, ge=0, le=1)  # a probability threshold: [0, 1]
 
 
+def read_json_object(path: str, what: str) -> dict:
+    """A JSON file holding one object; a missing, unreadable or malformed file is a one-line UserError."""
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except FileNotFoundError:
+        raise UserError(f"no such {what} {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{what} {path} is unreadable or not JSON ({type(e).__name__})") from None
+    if not isinstance(obj, dict):
+        raise UserError(f"{what} {path} is not a JSON object")
+    return obj
+
+
 def read_jsonl(path: str, what: str, allow_partial_last: bool = False) -> list[tuple[int, object]]:
     """(line number, parsed value) of every non-blank line; one-line UserErrors naming `what`.
 

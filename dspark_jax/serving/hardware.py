@@ -134,19 +134,10 @@ TARGETS: dict[str, TargetShape] = {
 
 def target_from_hf_config(path: str) -> TargetShape:
     """A TargetShape from a Hugging Face config.json (parsed by the decoder's own config reader)."""
-    import json
-
+    from dspark_jax.cli import read_json_object
     from dspark_jax.models.config import config_from_hf
 
-    try:
-        with open(path) as f:
-            hf = json.load(f)
-    except FileNotFoundError:
-        raise UserError(f"no such target config {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"target config {path} is unreadable or not JSON ({type(e).__name__})") from None
-    if not isinstance(hf, dict):
-        raise UserError(f"target config {path} is not a JSON object")
+    hf = read_json_object(path, "target config")
     try:
         cfg = config_from_hf(hf)
     except (KeyError, TypeError, ValueError) as e:

@@ -157,14 +157,7 @@ def pool_from_records(obj: dict, path: str = "") -> RoundPool:
 
 
 def load_pool(path: str) -> RoundPool:
-    try:
-        with open(path) as f:
-            obj = json.load(f)
-    except FileNotFoundError:
-        raise UserError(f"no such round-records file {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"round records {path} are unreadable or not JSON ({type(e).__name__})") from None
-    return pool_from_records(obj, path)
+    return pool_from_records(load_json(path, "round-records file"), path)
 
 
 def write_json(path: str, obj: Any, indent: int | None = 1) -> None:
@@ -272,16 +265,9 @@ def eval_group(obj: dict, drafter: str | None, group: str, path: str = "") -> tu
 
 
 def load_json(path: str, what: str = "eval.json") -> dict:
-    try:
-        with open(path) as f:
-            obj = json.load(f)
-    except FileNotFoundError:
-        raise UserError(f"no such {what} {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{what} {path} is unreadable or not JSON ({type(e).__name__})") from None
-    if not isinstance(obj, dict):
-        raise UserError(f"{what} {path} is not a JSON object")
-    return obj
+    from dspark_jax.cli import read_json_object
+
+    return read_json_object(path, what)
 
 
 load_eval = load_json
