@@ -509,7 +509,7 @@ def sps_item(model: Model, s: Sizes) -> dict:
 
     from bench_round import forward_ms, median_ms
     from dspark_jax.engine.speculative import SpecConfig, profile_verify, spec_draft, spec_prefill
-    from dspark_jax.generate import compiled
+    from dspark_jax.engine.generate import compiled
     from dspark_jax.models import decoder
 
     target, dcfg, dparams = model.target, model.dcfg, model.dparams
@@ -622,7 +622,7 @@ def breakdown_item(model: Model, batch: int, gamma: int, s: Sizes, cache: dict) 
     from dspark_jax.engine import scheduler as S
     from dspark_jax.engine.speculative import SpecConfig, round_program, schedule, spec_prefill
     from dspark_jax.engine.sps import SPSTable, token_buckets
-    from dspark_jax.sampling import SamplingConfig
+    from dspark_jax.engine.sampling import SamplingConfig
 
     target, tcfg, reps = model.target, model.target.config, s.bd_repeats
     tp = target.params
@@ -802,7 +802,7 @@ def part_serving(run: Run, models: Models) -> None:
     import bench_serving
     import common
 
-    from dspark_jax.sampling import SamplingConfig
+    from dspark_jax.engine.sampling import SamplingConfig
 
     s = run.sizes
     sargs = speculative_args(s, gamma=s.sv_gamma, max_new_tokens=s.sv_max_new, max_prompt_tokens=s.sv_max_prompt,
@@ -1094,7 +1094,7 @@ def render_markdown(run: Run) -> str:
 
 
 NEEDED_MODULES = ("numpy", "jax", "jax.numpy", "optax", "orbax.checkpoint", "grain", "gguf", "safetensors",
-                  "tokenizers", "jinja2", "tqdm", "matplotlib", "yaml", "dspark_jax.decode", "dspark_jax.generate",
+                  "tokenizers", "jinja2", "tqdm", "matplotlib", "yaml", "dspark_jax.decode", "dspark_jax.engine.generate",
                   "dspark_jax.engine.speculative", "dspark_jax.checkpoints.gguf", "dspark_jax.data.pipeline",
                   "dspark_jax.training.trainer", "dspark_jax.evaluation.plots", "common", "bench_round",
                   "bench_head_cost", "bench_speedup", "bench_serving", "bench_train")

@@ -55,7 +55,7 @@ def main() -> None:
     import transformers
 
     from dspark_jax.checkpoints.registry import load_target
-    from dspark_jax.generate import generate
+    from dspark_jax.engine.generate import generate
 
     torch.set_num_threads(os.cpu_count())
     target = load_target(args.target)

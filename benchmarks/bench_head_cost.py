@@ -47,7 +47,7 @@ def time_round_variants(target, prompt, batch: int, gamma: int, variants: dict, 
     import jax.numpy as jnp
 
     from dspark_jax.engine.speculative import SpecConfig, spec_prefill, spec_round
-    from dspark_jax.generate import compiled, pad_prompts
+    from dspark_jax.engine.generate import compiled, pad_prompts
 
     tcfg = target.config
     programs, timings = {}, {}

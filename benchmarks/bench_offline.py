@@ -36,8 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common
 
-from dspark_jax.cli import run_cli
-from dspark_jax.errors import UserError
+from dspark_jax.core.cli import run_cli
+from dspark_jax.core.errors import UserError
 
 MODES = ("continuous", "continuous-ungrouped", "static")
 
@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm.auto import tqdm
 
     from dspark_jax import decode
-    from dspark_jax.cli import PromptRecord
-    from dspark_jax.sampling import SamplingConfig
+    from dspark_jax.core.cli import PromptRecord
+    from dspark_jax.engine.sampling import SamplingConfig
 
     engines = {"plain": decode_args(args, "none", args.prompts)}
     if args.drafter != "none":

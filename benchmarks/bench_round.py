@@ -74,7 +74,7 @@ def round_ms(target, drafter, context: int, repeats: int, batch: int = 1) -> dic
     import jax.numpy as jnp
 
     from dspark_jax.engine.speculative import SpecConfig, round_program, spec_draft, spec_prefill, spec_verify
-    from dspark_jax.generate import compiled
+    from dspark_jax.engine.generate import compiled
 
     tcfg, dcfg = target.config, drafter.config
     cfg = SpecConfig(gamma=dcfg.block_size)

@@ -39,8 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common
 
-from dspark_jax.cli import run_cli
-from dspark_jax.errors import UserError
+from dspark_jax.core.cli import run_cli
+from dspark_jax.core.errors import UserError
 
 NEEDS_CONFIDENCE = ("threshold", "dspark", "dspark-async")
 
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm.auto import tqdm
 
     from dspark_jax.drafters.checkpoint import load_drafter
-    from dspark_jax.sampling import SamplingConfig
+    from dspark_jax.engine.sampling import SamplingConfig
 
     target = common.load_benchmark_target(args)
     dcfg = load_drafter(args.drafter, target.config, target.name).config

@@ -7,7 +7,7 @@
 Domains: math = gsm8k + math500, code = humaneval + mbpp, chat = arena-hard-v2, --limit prompts
 each from the EVAL split (never trained on), chat template applied, generation stops at EOS. For
 every (domain, batch size, temperature) the same prompt batches run through plain decoding
-(`dspark_jax.generate.generate`) and speculative decoding (the run of `python -m dspark_jax.decode
+(`dspark_jax.engine.generate.generate`) and speculative decoding (the run of `python -m dspark_jax.decode
 --drafter ...`) in this process, alternating which goes first batch by batch so machine noise hits
 both alike. XLA compilation is excluded from both (reported separately in the JSON).
 
@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common
 
-from dspark_jax.cli import run_cli
-from dspark_jax.errors import UserError
+from dspark_jax.core.cli import run_cli
+from dspark_jax.core.errors import UserError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -81,8 +81,8 @@ class Totals:
 def run_cell(target, runner, batches, temperature: float, args, bar, flip: int) -> dict:
     import numpy as np
 
-    from dspark_jax.generate import generate
-    from dspark_jax.sampling import SamplingConfig
+    from dspark_jax.engine.generate import generate
+    from dspark_jax.engine.sampling import SamplingConfig
 
     sampling = SamplingConfig(temperature)
     stop_ids = target.tokenizer.eos_token_ids

@@ -83,7 +83,7 @@ def float_list(text: str) -> list[float]:
 
 def choose(text: str, known, what: str) -> list[str]:
     """'a,b' -> ['a', 'b'], each one of `known` (else a one-line UserError)."""
-    from dspark_jax.errors import UserError
+    from dspark_jax.core.errors import UserError
 
     chosen = [x.strip() for x in text.split(",") if x.strip()]
     unknown = sorted(set(chosen) - set(known))

@@ -19,8 +19,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dspark_jax.cli import POSITIVE_INT, ArgumentParser, flag, run_cli, setting_flag
-from dspark_jax.errors import UserError
+from dspark_jax.core.cli import POSITIVE_INT, ArgumentParser, flag, run_cli, setting_flag
+from dspark_jax.core.errors import UserError
 
 
 class Rounds(NamedTuple):
@@ -40,7 +40,7 @@ def collect_rounds(target, loaded, prompts: list[str], *, max_new_tokens: int, t
     import jax.numpy as jnp
 
     from dspark_jax.engine.speculative import SpecConfig, speculative_generate
-    from dspark_jax.sampling import SamplingConfig
+    from dspark_jax.engine.sampling import SamplingConfig
 
     tok = target.tokenizer
     gamma = gamma or loaded.config.block_size
@@ -65,7 +65,7 @@ def collect_rounds(target, loaded, prompts: list[str], *, max_new_tokens: int, t
 
 @run_cli
 def main(argv: list[str] | None = None) -> int:
-    from dspark_jax.sampling import SamplingConfig
+    from dspark_jax.engine.sampling import SamplingConfig
 
     p = ArgumentParser(prog="python -m dspark_jax.calibrate", description=__doc__.split("\n")[0])
     p.add_argument("--drafter", required=True, help="drafter checkpoint folder (updated in place)")

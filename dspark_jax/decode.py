@@ -18,9 +18,9 @@ import json
 import os
 import sys
 
-from dspark_jax.cli import (NON_NEGATIVE_INT, POSITIVE_INT, ArgumentParser, PromptRecord, flag, prompt_text,
+from dspark_jax.core.cli import (NON_NEGATIVE_INT, POSITIVE_INT, ArgumentParser, PromptRecord, flag, prompt_text,
                             read_prompt_records, run_cli, setting_flag)
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 
 DEFAULT_MAX_BATCH = 8
 # Continuous batching runs prompts in groups of equal KV-cache length (shortest first), since with
@@ -35,7 +35,7 @@ TIMING_FIELDS = ("request_wall_s", "request_tokens_per_s")  # the fields that di
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from dspark_jax.checkpoints.registry import DEFAULT_TARGET, KNOWN_TARGETS
     from dspark_jax.engine.speculative import SpecConfig
-    from dspark_jax.sampling import SamplingConfig
+    from dspark_jax.engine.sampling import SamplingConfig
 
     p = ArgumentParser(prog="python -m dspark_jax.decode", description=__doc__.split("\n")[0])
     p.add_argument("--target", default=DEFAULT_TARGET,
@@ -130,7 +130,7 @@ class Speculative:
         """The SpecConfig for these prompts (the dspark schedulers' SPS table is the one for the KV
         cache they get)."""
         from dspark_jax.engine.speculative import SpecConfig
-        from dspark_jax.generate import pad_prompts
+        from dspark_jax.engine.generate import pad_prompts
 
         sps = None
         if self.policy.startswith("dspark"):  # the round's cost depends on the KV cache this batch gets
@@ -269,7 +269,7 @@ def select(args, records: list[PromptRecord]) -> list[Request]:
 
 def tokenize(args, target, requests: list[Request]) -> None:
     """Prompt ids of every request (chat template unless --raw), each checked against the context."""
-    from dspark_jax.generate import check_context
+    from dspark_jax.engine.generate import check_context
 
     tok = target.tokenizer
     if tok.chat_template is None and not args.raw and any(r.prompt.messages is None for r in requests):
@@ -462,7 +462,7 @@ def run_engine(args, target, speculative: Speculative | None, requests: list[Req
     completes (stats: "wall_s", and the speculative totals); on_progress(tokens, seconds) now and
     then. Returns the run's totals: wall_s and compile_s (excluded from wall_s), tokens, and for
     speculative decoding rounds and tau_sum (over every request's rounds)."""
-    from dspark_jax.generate import bucket, generate, serve
+    from dspark_jax.engine.generate import bucket, generate, serve
 
     stops = target.tokenizer.eos_token_ids
     slots = args.max_batch
@@ -637,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
     requests = select(args, records)
 
     from dspark_jax.checkpoints.registry import load_target
-    from dspark_jax.sampling import SamplingConfig
+    from dspark_jax.engine.sampling import SamplingConfig
 
     # Everything that can be checked without the target's weights is checked before they load.
     target_name = resolve(args, len(requests))

@@ -24,8 +24,8 @@ import sys
 
 import numpy as np
 
-from dspark_jax.cli import POSITIVE_INT, ArgumentParser, flag, run_cli, setting_flag
-from dspark_jax.errors import UserError
+from dspark_jax.core.cli import POSITIVE_INT, ArgumentParser, flag, run_cli, setting_flag
+from dspark_jax.core.errors import UserError
 
 DEFAULT_SETS = "gsm8k,math500,humaneval,mbpp,arena-hard-v2"
 OTHER = "other"
@@ -47,7 +47,7 @@ class Bench:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from dspark_jax.checkpoints.registry import DEFAULT_TARGET
     from dspark_jax.engine.speculative import SpecConfig
-    from dspark_jax.sampling import SamplingConfig
+    from dspark_jax.engine.sampling import SamplingConfig
 
     p = ArgumentParser(prog="python -m dspark_jax.eval", description=__doc__.split("\n")[0])
     p.add_argument("--drafters", required=True,
@@ -128,7 +128,7 @@ def parse_bench(spec: str) -> tuple[str, str, str]:
 
 def load_benches(args) -> list[Bench]:
     """The benchmarks in domain order (math, code, chat, other), each cut to --limit prompts."""
-    from dspark_jax.cli import read_prompts_file
+    from dspark_jax.core.cli import read_prompts_file
     from dspark_jax.data.splits import (
         DOMAINS,
         PROMPTS_DIR,
@@ -166,7 +166,7 @@ def drafter_gamma(args, label: str, dcfg) -> int:
 
 def check_prompts(target, benches: list[Bench], max_new_tokens: int) -> None:
     """Every templated prompt fits the target's context with its new tokens (before any decoding)."""
-    from dspark_jax.generate import check_context
+    from dspark_jax.engine.generate import check_context
 
     for b in benches:
         try:

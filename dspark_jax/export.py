@@ -8,12 +8,12 @@ DIR is one of our drafter folders (drafter.json + drafter.safetensors: a trainin
 (config.json, model.safetensors, dspark_sts.json) is what vLLM / SGLang load for DeepSpec drafters;
 see docs/serving.md. --target (default: the target the drafter records) supplies the embedding /
 LM head copies and the target's config fields: give the Hugging Face folder of the target you
-will serve. The writer is `dspark_jax.drafters.deepspec.export_drafter`.
+will serve. The writer is `dspark_jax.drafters.export.export_drafter`.
 """
 
 from __future__ import annotations
 
-from dspark_jax.cli import ArgumentParser, run_cli
+from dspark_jax.core.cli import ArgumentParser, run_cli
 
 FORMATS = ("deepspec",)
 
@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None):
 @run_cli
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from dspark_jax.drafters.deepspec import export_drafter
+    from dspark_jax.drafters.export import export_drafter
 
     summary = export_drafter(args.drafter, args.out, target=args.target, dtype=args.dtype, overwrite=args.overwrite)
     print(f"wrote {summary['out']}: {summary['architecture']}, {summary['tensors']} tensors, "

@@ -21,8 +21,8 @@ import argparse
 import os
 import sys
 
-from dspark_jax.cli import ArgumentParser, run_cli
-from dspark_jax.errors import UserError
+from dspark_jax.core.cli import ArgumentParser, run_cli
+from dspark_jax.core.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dspark_jax.cli import run_cli
-from dspark_jax.errors import UserError
+from dspark_jax.core.cli import run_cli
+from dspark_jax.core.errors import UserError
 
 COMMANDS = ("run", "record", "validate")
 DEFAULT_CONCURRENCY = "1,2,4,8,16,32,64,128,256,512,1024"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from dspark_jax.cli import ArgumentParser, run_cli
+from dspark_jax.core.cli import ArgumentParser, run_cli
 
 
 @run_cli

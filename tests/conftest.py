@@ -120,7 +120,7 @@ def _release_compiled_programs():
     yield
     import jax
 
-    from dspark_jax.generate import _COMPILED
+    from dspark_jax.engine.generate import _COMPILED
 
     _COMPILED.clear()
     jax.clear_caches()

@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from bench_serving import summarize  # noqa: E402
 
 from dspark_jax.engine.speculative import SpecResult  # noqa: E402
-from dspark_jax.errors import UserError  # noqa: E402
+from dspark_jax.core.errors import UserError  # noqa: E402
 
 
 def round_(active, accepted, num_draft, seconds):

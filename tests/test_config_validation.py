@@ -1,5 +1,5 @@
 """Every config field and command-line flag has a type and a range, checked when the config is built
-(dspark_jax/config_checks.py): YAML files and `key=value` overrides alike, naming the key and where
+(dspark_jax/core/config_checks.py): YAML files and `key=value` overrides alike, naming the key and where
 it came from, before any model or data loads."""
 
 import dataclasses
@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from cli_helpers import assert_one_line_error
-from dspark_jax import config_checks
+from dspark_jax.core import config_checks
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.engine.speculative import SpecConfig
-from dspark_jax.errors import UserError
-from dspark_jax.sampling import SamplingConfig
+from dspark_jax.core.errors import UserError
+from dspark_jax.engine.sampling import SamplingConfig
 from dspark_jax.training.config import (
     DataConfig,
     OptimConfig,

@@ -11,7 +11,7 @@ import pytest
 from dspark_jax.checkpoints.registry import Target
 from dspark_jax.data import datagen, splits
 from dspark_jax.data.pipeline import (PackingConfig, ShardSource, block_labels, make_dataset, target_features)
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
 

@@ -77,8 +77,8 @@ def reference(tiny_target_folder, prompts_file):
     import argparse
 
     from dspark_jax.checkpoints.registry import load_target
-    from dspark_jax.cli import read_prompt_records
-    from dspark_jax.generate import generate
+    from dspark_jax.core.cli import read_prompt_records
+    from dspark_jax.engine.generate import generate
 
     target = load_target(tiny_target_folder)
     requests = [decode.Request(i, r, decode.prompt_sha256(r)) for i, r in enumerate(read_prompt_records(prompts_file))]
@@ -140,7 +140,7 @@ def test_length_groups(capsys, tiny_target_folder, prompts_file, reference, monk
     assert decode.cache_groups(lengths, cache, slots=2) == [[0, 2, 4, 6], [1, 3, 5]]  # the small last joins
     assert decode.cache_groups(lengths, cache, slots=1) == [[0, 2, 4, 6], [1, 3], [5]]
 
-    import dspark_jax.generate as generate_module
+    import dspark_jax.engine.generate as generate_module
 
     served = []
     real_serve = generate_module.serve
@@ -163,7 +163,7 @@ def test_length_groups(capsys, tiny_target_folder, prompts_file, reference, monk
 def test_plain_serve_with_stops_equals_generate(tiny_target_folder):
     """Rows finish at different steps (a frequent token as the stop) and are refilled at once."""
     from dspark_jax.checkpoints.registry import load_target
-    from dspark_jax.generate import generate, serve
+    from dspark_jax.engine.generate import generate, serve
 
     target = load_target(tiny_target_folder)
     prompts = [target.tokenizer.chat_prompt_ids(x.get("prompt") or words(4, 3)) for x in LINES]

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax import sharding
-from dspark_jax.generate import generate
+from dspark_jax.distributed import sharding
+from dspark_jax.engine.generate import generate
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
 

@@ -10,7 +10,7 @@ import pytest
 from dspark_jax.drafters.checkpoint import load_drafter, save_drafter
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.drafters.dspark import init_drafter_params
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 from dspark_jax.models.config import ModelConfig
 
 TARGET = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,

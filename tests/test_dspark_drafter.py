@@ -13,9 +13,9 @@ from safetensors.numpy import load_file, save_file
 from dspark_jax.checkpoints.hf import load_hf_model
 from dspark_jax.drafters import dspark
 from dspark_jax.drafters.deepspec import load_deepspec_drafter
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 from dspark_jax.models import decoder
-from dspark_jax.sampling import SamplingConfig
+from dspark_jax.engine.sampling import SamplingConfig
 from stats_helpers import P_MIN, reference_probs, stratified_chi_square_pvalue
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "deepspec")

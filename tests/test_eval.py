@@ -152,7 +152,7 @@ def engine_rounds(target_folder, drafter_path, prompts):
     from dspark_jax.checkpoints.registry import load_target
     from dspark_jax.drafters.checkpoint import load_drafter
     from dspark_jax.engine.speculative import SpecConfig, speculative_generate
-    from dspark_jax.sampling import SamplingConfig
+    from dspark_jax.engine.sampling import SamplingConfig
 
     target, loaded = load_target(target_folder), load_drafter(drafter_path)
     dparams = jax.tree.map(jnp.asarray, loaded.params)

@@ -20,7 +20,8 @@ from dspark_jax.checkpoints import registry
 from dspark_jax.checkpoints.hf import GEMMA3_HF_NAMES, HF_NAMES, load_hf_model, read_json, safetensors_header
 from dspark_jax.drafters import deepspec, dspark, eagle3
 from dspark_jax.drafters.checkpoint import load_drafter, save_drafter
-from dspark_jax.errors import UserError
+from dspark_jax.drafters.export import export_drafter
+from dspark_jax.core.errors import UserError
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "deepspec")
 TARGET_DIR = os.path.join(FIXTURE, "target")
@@ -182,7 +183,7 @@ def test_bf16_export(target, inputs, tmp_path):
     tcfg, tparams = target
     folder, dcfg, params, _ = our_drafter("dspark_rnn", target, tmp_path)
     out = str(tmp_path / "bf16")
-    deepspec.export_drafter(folder, out, target=TARGET_DIR)  # bfloat16 is the default
+    export_drafter(folder, out, target=TARGET_DIR)  # bfloat16 is the default
     header = safetensors_header(os.path.join(out, deepspec.WEIGHTS_FILE))
     assert {dtype for dtype, _ in header.values()} == {"BF16"}
     assert read_json(os.path.join(out, "config.json"))["dtype"] == "bfloat16"
@@ -193,7 +194,7 @@ def test_bf16_export(target, inputs, tmp_path):
     for key in ours:
         np.testing.assert_allclose(theirs[key], ours[key], atol=0.05, rtol=0.05, err_msg=key)
     fp32 = str(tmp_path / "fp32")
-    deepspec.export_drafter(folder, fp32, target=TARGET_DIR, dtype="float32")
+    export_drafter(folder, fp32, target=TARGET_DIR, dtype="float32")
     size = lambda d: os.path.getsize(os.path.join(d, deepspec.WEIGHTS_FILE))  # noqa: E731
     assert size(out) < 0.55 * size(fp32)
 
@@ -285,12 +286,12 @@ def test_a_failed_write_leaves_nothing_half_written(target, tmp_path, monkeypatc
 
     monkeypatch.setattr(safetensors.numpy, "save_file", broken)
     with pytest.raises(UserError, match="No space left on device"):
-        deepspec.export_drafter(folder, str(out), target=TARGET_DIR)
+        export_drafter(folder, str(out), target=TARGET_DIR)
     assert not out.exists()
     os.makedirs(out)
     (out / "keep.txt").write_text("previous export")
     with pytest.raises(UserError, match="No space left on device"):
-        deepspec.export_drafter(folder, str(out), target=TARGET_DIR, overwrite=True)
+        export_drafter(folder, str(out), target=TARGET_DIR, overwrite=True)
     assert os.listdir(out) == ["keep.txt"]  # the old folder is untouched
     assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []  # no temporary folders left
 
@@ -308,7 +309,7 @@ def test_writer_bug_is_caught_before_publishing(target, tmp_path, monkeypatch):
 
     monkeypatch.setattr(deepspec, "deepspec_tensors", swapped)
     with pytest.raises(RuntimeError, match="reads back differently"):
-        deepspec.export_drafter(folder, str(tmp_path / "out"), target=TARGET_DIR)
+        export_drafter(folder, str(tmp_path / "out"), target=TARGET_DIR)
     assert not (tmp_path / "out").exists()
 
 
@@ -354,6 +355,6 @@ def test_overwrite_puts_the_old_folder_back_if_the_final_rename_fails(target, tm
 
     monkeypatch.setattr(deepspec.os, "replace", failing_publish)
     with pytest.raises(UserError, match="Input/output error"):
-        deepspec.export_drafter(folder, str(out), target=TARGET_DIR, overwrite=True)
+        export_drafter(folder, str(out), target=TARGET_DIR, overwrite=True)
     assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "previous export"
     assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []

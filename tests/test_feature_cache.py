@@ -18,7 +18,7 @@ from test_training import TARGET_CFG, params_of, tiny_config, tiny_target
 
 from dspark_jax.data import datagen, feature_cache, pipeline
 from dspark_jax.data.pipeline import PackingConfig, ShardSource, make_dataset, target_features
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 from dspark_jax.training.config import config_to_dict, load_config
 from dspark_jax.training.trainer import Trainer, target_feature_inputs
 

@@ -250,7 +250,7 @@ def test_gemma3_270m_greedy_generation_matches_transformers(gemma_pair):
     """Including a prompt longer than the 512-token window, so the local layers' window binds."""
     import torch
 
-    from dspark_jax.generate import generate
+    from dspark_jax.engine.generate import generate
 
     ours, theirs = gemma_pair
     tok = ours.tokenizer
@@ -273,7 +273,7 @@ def test_dspark_drafter_trains_on_gemma3_270m_and_decodes_losslessly(gemma_pair,
 
     from dspark_jax.data.datagen import FORMAT, MANIFEST, write_shard
     from dspark_jax.engine.speculative import SpecConfig, speculative_generate
-    from dspark_jax.generate import generate
+    from dspark_jax.engine.generate import generate
     from dspark_jax.training.config import DataConfig, OptimConfig, RunConfig, TrainConfig
     from dspark_jax.training.trainer import Trainer
 

@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.errors import UserError
-from dspark_jax.generate import generate
+from dspark_jax.core.errors import UserError
+from dspark_jax.engine.generate import generate
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.sampling import SamplingConfig, processed_log_probs
+from dspark_jax.engine.sampling import SamplingConfig, processed_log_probs
 
 CFG = ModelConfig(family="llama", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, intermediate_size=48, max_position_embeddings=96, tie_word_embeddings=True)

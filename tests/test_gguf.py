@@ -18,7 +18,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from dspark_jax.checkpoints.gguf import load_gguf_model, open_gguf
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 from dspark_jax.models import decoder
 
 
@@ -78,7 +78,7 @@ def test_real_gguf_logits_match_transformers(smollm2):
 
 def test_real_gguf_greedy_generation_matches_transformers(smollm2):
     """Batched greedy generation (mixed prompt lengths, one batch) == transformers `generate`."""
-    from dspark_jax.generate import generate
+    from dspark_jax.engine.generate import generate
 
     cfg, params, tok, ref = smollm2
     questions = ["What is 12 + 30?", "Write a Python function that reverses a string.",

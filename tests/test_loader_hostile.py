@@ -25,7 +25,7 @@ from hypothesis.control import currently_in_test_context
 
 from dspark_jax.checkpoints.gguf import load_gguf_model
 from dspark_jax.checkpoints.hf import load_hf_model
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 from dspark_jax.models.decoder import param_shapes
 
 MIB = 1 << 20

@@ -20,7 +20,7 @@ from cli_helpers import assert_one_line_error, run_main
 from test_training import params_of, tiny_config, tiny_target, write_tiny_data
 
 from dspark_jax import train
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 from dspark_jax.training.trainer import Trainer, jsonable_config
 
 TIMING = ("blocks_per_s",)  # the only fields of a metrics record that depend on the clock

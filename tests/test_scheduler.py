@@ -16,7 +16,7 @@ from dspark_jax.engine.scheduler import (
 from dspark_jax.engine.sps import (
     SPSTable, load_sps_table, pad_to_bucket, profile_sps, save_sps_table, sps_of, token_buckets,
 )
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 
 dspark_jit = jax.jit(schedule_dspark)
 capacity_jit = jax.jit(global_capacity)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dspark_jax import sharding
+from dspark_jax.distributed import sharding
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
 

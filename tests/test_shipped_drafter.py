@@ -15,7 +15,7 @@ from dspark_jax.data.splits import get_split
 from dspark_jax.drafters.checkpoint import load_drafter
 from dspark_jax.engine.sps import SPSTable, token_buckets
 from dspark_jax.engine.speculative import SpecConfig, speculative_generate
-from dspark_jax.generate import generate
+from dspark_jax.engine.generate import generate
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.drafters.dspark import init_drafter_params
 from dspark_jax.engine.speculative import SpecConfig, speculative_generate
 from dspark_jax.engine.sps import SPSTable
-from dspark_jax.generate import generate
+from dspark_jax.engine.generate import generate
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.sampling import SamplingConfig
+from dspark_jax.engine.sampling import SamplingConfig
 
 TCFG = ModelConfig(family="qwen3", vocab_size=32, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
                    head_dim=8, intermediate_size=48, max_position_embeddings=256, qk_norm=True)

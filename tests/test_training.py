@@ -116,7 +116,7 @@ def test_config_files_load_and_overrides(tmp_path):
             assert cfg.drafter["kind"] in ("dspark", "eagle3")
     cfg = load_config("configs/dspark_smollm2-135m.yaml", ["optim.lr=1e-3", "data.rows=2", "drafter.markov_rank=32"])
     assert cfg.optim.lr == 1e-3 and cfg.data.rows == 2 and cfg.drafter["markov_rank"] == 32
-    from dspark_jax.errors import UserError
+    from dspark_jax.core.errors import UserError
     with pytest.raises(UserError, match="unknown optim setting"):
         load_config("configs/dspark_smollm2-135m.yaml", ["optim.learning_rate=1"])
     with pytest.raises(UserError, match="no such config file"):

@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 
 # (regex over the checkpoint's name) -> (our path "a/b", whether the tensor is [out, in] and must be
 # transposed to our [in, out] layout). A path containing "layers/" takes the layer index from the

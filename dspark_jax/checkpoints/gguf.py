@@ -27,10 +27,10 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
 from dspark_jax.checkpoints.assemble import NameTable, StoredTensor, assemble_params, check_stored, decoder_claims
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 from dspark_jax.models.config import ModelConfig, RopeScaling, finite_float, gemma3_layer_types, positive_int
 from dspark_jax.models.decoder import param_shapes
-from dspark_jax.tokenizer import Tokenizer
+from dspark_jax.checkpoints.tokenizer import Tokenizer
 
 # Storage types we dequantise (the common llama.cpp quantisations; all numpy-backed in gguf.quants).
 SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
@@ -210,6 +210,15 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     interleaved as (2i, 2i + 1); put them back in half-split order. w: [n_heads * d, ...]."""
     d = w.shape[0] // n_heads
     return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tokenizer(reader_or_path) -> Tokenizer:
+    """The tokenizer described by a GGUF file's `tokenizer.*` metadata (a path or an open reader)."""
+    if isinstance(reader_or_path, (str, os.PathLike)):
+        reader, source = open_gguf(reader_or_path), os.fspath(reader_or_path)
+    else:
+        reader, source = reader_or_path, str(reader_or_path.data.filename)
+    return Tokenizer.from_gguf_metadata(gguf_metadata(reader), source=source)
 
 
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], dtype: str = "float32",

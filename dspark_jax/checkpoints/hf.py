@@ -9,7 +9,7 @@ import os
 import numpy as np
 
 from dspark_jax.checkpoints.assemble import NameTable, StoredTensor, assemble_params, decoder_claims
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 from dspark_jax.models.config import ModelConfig, config_from_hf
 from dspark_jax.models.decoder import param_shapes
 

@@ -20,10 +20,10 @@ import os
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.tokenizer import Tokenizer
+from dspark_jax.checkpoints.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)

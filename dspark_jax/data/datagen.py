@@ -39,8 +39,8 @@ from typing import Sequence
 
 import numpy as np
 
-from dspark_jax.cli import run_cli
-from dspark_jax.errors import UserError
+from dspark_jax.core.cli import run_cli
+from dspark_jax.core.errors import UserError
 
 FORMAT = "dspark-datagen-v1"
 MANIFEST = "manifest.json"
@@ -203,8 +203,8 @@ def generate_dataset(target, sets: Sequence[str], split: str, out: str, *, limit
     """
     from tqdm.auto import tqdm
 
-    from dspark_jax.generate import generate
-    from dspark_jax.sampling import SamplingConfig
+    from dspark_jax.engine.generate import generate
+    from dspark_jax.engine.sampling import SamplingConfig
 
     if max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1")
@@ -294,8 +294,8 @@ def generate_dataset(target, sets: Sequence[str], split: str, out: str, *, limit
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from dspark_jax.checkpoints.registry import DEFAULT_TARGET
-    from dspark_jax.cli import POSITIVE_INT, ArgumentParser, flag, setting_flag
-    from dspark_jax.sampling import SamplingConfig
+    from dspark_jax.core.cli import POSITIVE_INT, ArgumentParser, flag, setting_flag
+    from dspark_jax.engine.sampling import SamplingConfig
 
     p = ArgumentParser(prog="python -m dspark_jax.datagen",
                        description="Regenerate training responses with the target model.")

@@ -62,7 +62,7 @@ from tqdm.auto import tqdm
 
 from dspark_jax.data import pipeline
 from dspark_jax.data.datagen import read_json_file, write_json_atomic
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 
 FORMAT = "dspark-feature-cache-v1"
 FEATURES = "features.npy"

@@ -68,7 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.data.datagen import read_manifest, read_shard
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 
 
 # ---------------------------------------------------------------------------- source

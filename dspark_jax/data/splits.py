@@ -23,8 +23,8 @@ import functools
 import hashlib
 import os
 
-from dspark_jax.cli import read_prompts_file
-from dspark_jax.errors import UserError
+from dspark_jax.core.cli import read_prompts_file
+from dspark_jax.core.errors import UserError
 
 PROMPTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "prompts")
 

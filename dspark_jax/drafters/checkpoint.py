@@ -17,9 +17,9 @@ import numpy as np
 
 from dspark_jax.checkpoints.assemble import flatten, nest
 from dspark_jax.checkpoints.hf import FLOAT_DTYPES, safetensors_header
-from dspark_jax.config_checks import ConfigError
+from dspark_jax.core.config_checks import ConfigError
 from dspark_jax.drafters.config import DrafterConfig
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 from dspark_jax.models.config import ModelConfig
 
 WEIGHTS = "drafter.safetensors"

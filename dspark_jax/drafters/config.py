@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from dspark_jax.config_checks import relation, setting, validate
-from dspark_jax.errors import UserError
+from dspark_jax.core.config_checks import relation, setting, validate
+from dspark_jax.core.errors import UserError
 from dspark_jax.models.config import ModelConfig, RopeScaling
 
 KINDS = ("dspark", "eagle3")

@@ -48,7 +48,8 @@ config.json (`ARCHITECTURE_KINDS`). The Eagle3 format lives in `dspark_jax/draft
 which should call `register_format("eagle3", DeepSpecFormat(...))` at import; this module imports
 it on first use. `drafter_config_fields` and `LAYER_NAMES` are meant to be shared with it.
 
-Writing (`save_deepspec_drafter`, `export_drafter`; CLI: `python -m dspark_jax.export`)
+Writing (`save_deepspec_drafter`; from a drafter folder: `drafters.export.export_drafter`, CLI:
+`python -m dspark_jax.export`)
 -----------------------------------------------------------------------------------------
 The writer inverts the same tables: every `names` entry (regex -> our path, transpose) is turned
 back into the tensor name (`tensor_name`) and transposed back; `DeepSpecFormat.unit_axis` is the
@@ -84,7 +85,7 @@ from dspark_jax.checkpoints.hf import (HF_KEYS, HF_NAMES, iter_safetensors, read
                                        stored_tensors)
 from dspark_jax.drafters import dspark
 from dspark_jax.drafters.config import DrafterConfig
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 from dspark_jax.models.config import ModelConfig, RopeScaling, config_from_hf
 
 # The decoder-layer names of a DeepSpec drafter are Hugging Face's without the "model." prefix.
@@ -621,50 +622,3 @@ def read_side_file(folder: str) -> dict | None:
     if not isinstance(side, dict):
         raise UserError(f"{path}: expected a JSON object")
     return side
-
-
-def export_drafter(drafter_dir: str, out_dir: str, target: str | None = None, dtype: str = "bfloat16",
-                   overwrite: bool = False) -> dict:
-    """Our drafter folder (drafter.json + drafter.safetensors) -> a DeepSpec-layout folder. The
-    target (`target` or the one the drafter records) supplies the embedding / LM head copies and
-    the config fields; everything cheap is checked before it is loaded."""
-    from dspark_jax.checkpoints.registry import load_target, resolve_target_path
-    from dspark_jax.drafters.checkpoint import load_drafter, read_drafter_config
-
-    if dtype not in EXPORT_DTYPES:
-        raise UserError(f"unsupported export dtype {dtype!r} (one of {', '.join(EXPORT_DTYPES)})")
-    check_out_dir(out_dir, overwrite, source=drafter_dir)
-    check_exportable(read_drafter_config(drafter_dir))  # before any weights, the target's above all
-    spec = target or read_drafter_config(drafter_dir).target_name
-    if not spec:
-        raise UserError(f"{drafter_dir}: the drafter records no target; pass --target NAME_OR_PATH")
-    name, path = resolve_target_path(spec)
-    drafter = load_drafter(drafter_dir)  # its weights checked against its config
-    if os.path.isdir(path):  # a Hugging Face folder: its config.json is the base; no tokenizer needed
-        from dspark_jax.checkpoints.hf import load_hf_model
-
-        target_json = read_json(os.path.join(path, "config.json"))
-        target_cfg, target_params = load_hf_model(path)
-        tokenizer = None
-    else:  # a known name or a GGUF file: config fields from its shape and tokenizer
-        tgt = load_target(spec, layout="stacked")
-        target_json, target_cfg, target_params, tokenizer = None, tgt.config, tgt.params, tgt.tokenizer
-    drafter.config.check_target(target_cfg, name)
-    dcfg = drafter.config if drafter.config.target_name else drafter.config.replace(target_name=name)
-    summary = save_deepspec_drafter(
-        out_dir, dcfg, drafter.params, target_cfg, target_params, target_json=target_json, tokenizer=tokenizer,
-        dtype=dtype, sts_temperatures=drafter.sts_temperatures, training=_training_values(drafter.metadata),
-        overwrite=overwrite, side={"exported_from": {"drafter": os.path.abspath(drafter_dir), "target": spec}})
-    summary["target"] = spec
-    summary["notes"] = [] if target_json is not None else [
-        f"the target {spec} is a GGUF file: the embedding / LM head copies are its (dequantised) weights "
-        "and config.json is made from its shape; to serve, export against the Hugging Face folder of the "
-        "target you serve (--target DIR)"]
-    return summary
-
-
-def _training_values(metadata: dict) -> dict:
-    """Training-only values the reference's config requires, from our training metadata."""
-    data = (metadata.get("train_config") or {}).get("data") or {} if isinstance(metadata, dict) else {}
-    anchors = data.get("anchors_per_seq") if isinstance(data, dict) else None
-    return {"num_anchors": anchors} if isinstance(anchors, int) and anchors > 0 else {}

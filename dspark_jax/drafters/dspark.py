@@ -55,10 +55,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.drafters.config import DrafterConfig
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.sampling import SamplingConfig, processed_log_probs, sample
+from dspark_jax.engine.sampling import SamplingConfig, processed_log_probs, sample
 
 _MASKED = -1e30  # score of an invisible key (finite: a fully masked row must not produce NaN)
 
@@ -104,7 +104,7 @@ def drafter_param_shapes(dcfg: DrafterConfig) -> dict:
 
 
 def drafter_param_logical_axes(dcfg: DrafterConfig) -> dict:
-    """Logical axis names of every parameter (see dspark_jax/sharding.py)."""
+    """Logical axis names of every parameter (see dspark_jax/distributed/sharding.py)."""
     axes = {"fc": (None, "embed"), "hidden_norm": ("embed",), "final_norm": ("embed",),
             "layers": decoder.param_logical_axes(dcfg.layer_config())["layers"],
             "markov": {"w1": ("vocab", None), "w2": (None, "vocab")},

@@ -45,10 +45,10 @@ import numpy as np
 from dspark_jax.checkpoints.assemble import NameTable
 from dspark_jax.drafters import deepspec, dspark
 from dspark_jax.drafters.config import DrafterConfig
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.sampling import SamplingConfig, processed_log_probs
+from dspark_jax.engine.sampling import SamplingConfig, processed_log_probs
 
 
 # --------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from dspark_jax.drafters import dspark, eagle3
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.sampling import SamplingConfig
+from dspark_jax.engine.sampling import SamplingConfig
 
 
 @jax.tree_util.register_dataclass

@@ -24,16 +24,16 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from dspark_jax.config_checks import setting, validate
+from dspark_jax.core.config_checks import setting, validate
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.engine import drafting
 from dspark_jax.engine import scheduler as S
 from dspark_jax.engine.acceptance import verify_greedy, verify_sampled
 from dspark_jax.engine.sps import SPSTable, pad_to_bucket
-from dspark_jax.generate import GenerationResult, compiled, pad_prompts, stop_mask
+from dspark_jax.engine.generate import GenerationResult, compiled, pad_prompts, stop_mask
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.sampling import SamplingConfig, processed_log_probs, sample
+from dspark_jax.engine.sampling import SamplingConfig, processed_log_probs, sample
 
 
 POLICIES = ("fixed", "mtp1", "threshold", "dspark", "dspark_async")
@@ -258,7 +258,7 @@ def round_program(target_params, dparams, state_shape, temps, *, tcfg: ModelConf
 
 def _check_gamma(cfg: SpecConfig, dcfg: DrafterConfig) -> None:
     if dcfg.kind == "dspark" and cfg.gamma > dcfg.block_size:
-        from dspark_jax.errors import UserError
+        from dspark_jax.core.errors import UserError
 
         raise UserError(f"gamma={cfg.gamma} is larger than the drafter's block size {dcfg.block_size}")
 

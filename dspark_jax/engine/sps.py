@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 
 FORMAT = "dspark-sps-table"
 VERSION = 1

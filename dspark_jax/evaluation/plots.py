@@ -23,8 +23,8 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from dspark_jax.cli import read_jsonl
-from dspark_jax.errors import UserError
+from dspark_jax.core.cli import read_jsonl
+from dspark_jax.core.errors import UserError
 from dspark_jax.evaluation import calibration
 
 DPI = 120

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 HIDDEN_ACTS = ("silu", "gelu_tanh")

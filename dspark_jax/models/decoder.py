@@ -183,7 +183,7 @@ def spec_in_layout(spec: dict, cfg: ModelConfig, layout: str, kind: str) -> dict
     return {**spec, "layers": tuple(dict(one) for _ in range(cfg.num_layers))}
 
 
-# Logical axis names of every parameter (see dspark_jax/sharding.py for the mesh mapping).
+# Logical axis names of every parameter (see dspark_jax/distributed/sharding.py for the mesh mapping).
 def param_logical_axes(cfg: ModelConfig, layout: str = "stacked") -> dict:
     layers = {
         "attn_norm": ("layers", "embed"), "wq": ("layers", "embed", "heads"),

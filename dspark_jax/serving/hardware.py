@@ -37,7 +37,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from dspark_jax.engine.sps import SPSTable, sps_of, token_buckets
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 
 # ------------------------------------------------------------------------------------------------
 # Accelerators (one chip). Dense (non-sparse) bf16 peak; HBM bandwidth and capacity per chip.
@@ -134,7 +134,7 @@ TARGETS: dict[str, TargetShape] = {
 
 def target_from_hf_config(path: str) -> TargetShape:
     """A TargetShape from a Hugging Face config.json (parsed by the decoder's own config reader)."""
-    from dspark_jax.cli import read_json_object
+    from dspark_jax.core.cli import read_json_object
     from dspark_jax.models.config import config_from_hf
 
     hf = read_json_object(path, "target config")

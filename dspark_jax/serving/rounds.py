@@ -49,7 +49,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 
 FORMAT = "dspark-round-records"
 VERSION = 1
@@ -195,7 +195,7 @@ def record_rounds(*, drafter: str, target: str, prompts: int, max_new_tokens: in
     from dspark_jax.checkpoints.registry import default_drafter_path, load_target
     from dspark_jax.drafters.checkpoint import load_drafter
     from dspark_jax.engine.speculative import SpecConfig, speculative_generate
-    from dspark_jax.sampling import SamplingConfig
+    from dspark_jax.engine.sampling import SamplingConfig
 
     tgt = load_target(target)
     if drafter == "default":
@@ -265,7 +265,7 @@ def eval_group(obj: dict, drafter: str | None, group: str, path: str = "") -> tu
 
 
 def load_json(path: str, what: str = "eval.json") -> dict:
-    from dspark_jax.cli import read_json_object
+    from dspark_jax.core.cli import read_json_object
 
     return read_json_object(path, what)
 

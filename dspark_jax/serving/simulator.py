@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 from dspark_jax.serving.hardware import HardwareCurve
 from dspark_jax.serving.rounds import RoundPool
 

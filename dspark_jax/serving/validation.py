@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 from dspark_jax.serving.hardware import HardwareCurve, MeasuredRoundCurve
 from dspark_jax.serving.rounds import RoundPool
 from dspark_jax.serving.simulator import POLICIES, SimConfig, run_concurrency, summarize

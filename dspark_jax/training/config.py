@@ -19,10 +19,10 @@ from typing import Any
 
 import yaml
 
-from dspark_jax import config_checks
-from dspark_jax.config_checks import ConfigError, relation, setting, validate
+from dspark_jax.core import config_checks
+from dspark_jax.core.config_checks import ConfigError, relation, setting, validate
 from dspark_jax.drafters.config import DrafterConfig
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.training.losses import LossWeights
 

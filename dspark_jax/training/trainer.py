@@ -42,9 +42,9 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from dspark_jax import sharding
+from dspark_jax.distributed import sharding
 from dspark_jax.drafters.config import DrafterConfig
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.training.config import OptimConfig, TrainConfig, config_to_dict

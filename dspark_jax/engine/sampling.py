@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.config_checks import setting, validate
+from dspark_jax.core.config_checks import setting, validate
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.sampling import SamplingConfig, sample
+from dspark_jax.engine.sampling import SamplingConfig, sample
 
 
 def bucket(n: int, minimum: int = 16, step: int = 128) -> int:

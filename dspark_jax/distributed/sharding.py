@@ -31,7 +31,7 @@ LOGICAL_TO_MESH: dict[str, str | tuple[str, ...] | None] = {
 def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices: Sequence | None = None) -> Mesh:
     """A (data, fsdp, tensor) mesh over the first data*fsdp*tensor devices; -1 for one axis means
     "all remaining devices" (the usual choice: the same config then fits any slice size)."""
-    from dspark_jax.errors import UserError
+    from dspark_jax.core.errors import UserError
 
     devices = list(devices if devices is not None else jax.devices())
     sizes = [data, fsdp, tensor]

@@ -64,7 +64,7 @@ import jinja2.sandbox
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 
 # llama.cpp token types (gguf.TokenType)
 _CONTROL, _USER_DEFINED = 3, 4
@@ -146,17 +146,6 @@ class Tokenizer:
                    [i for i in eos if i is not None],
                    bos if bos is not None else generation.get("bos_token_id"),
                    pad if pad is not None else generation.get("pad_token_id"))
-
-    @classmethod
-    def from_gguf(cls, reader_or_path) -> "Tokenizer":
-        """Rebuild the tokenizer described by a GGUF file's `tokenizer.*` metadata."""
-        from dspark_jax.checkpoints.gguf import gguf_metadata, open_gguf  # gguf.py imports us
-
-        if isinstance(reader_or_path, (str, os.PathLike)):
-            reader, source = open_gguf(reader_or_path), os.fspath(reader_or_path)
-        else:
-            reader, source = reader_or_path, str(reader_or_path.data.filename)
-        return cls.from_gguf_metadata(gguf_metadata(reader), source=source)
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], source: str = "GGUF") -> "Tokenizer":

@@ -30,7 +30,7 @@ import types
 import typing
 from typing import Any, Callable, Mapping
 
-from dspark_jax.errors import UserError
+from dspark_jax.core.errors import UserError
 
 
 class ConfigError(UserError):

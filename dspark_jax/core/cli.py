@@ -10,8 +10,8 @@ import re
 import sys
 from typing import Any, Callable
 
-from dspark_jax import config_checks
-from dspark_jax.errors import UserError
+from dspark_jax.core import config_checks
+from dspark_jax.core.errors import UserError
 
 
 def run_cli(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
@@ -125,7 +125,7 @@ def prompt_text(text: str) -> str:
     """A prompt from the outside world (argv, a file) as valid Unicode: bytes that are not UTF-8 and
     lone surrogates become U+FFFD, as in most tools (`tokenizer.clean_text`). Every command reads
     prompts through here, so the text echoed back is the text that was tokenised."""
-    from dspark_jax.tokenizer import clean_text  # lazily: --help should not import tokenizers
+    from dspark_jax.checkpoints.tokenizer import clean_text  # lazily: --help should not import tokenizers
 
     return clean_text(text)
 

@@ -1,0 +1,1 @@
+"""Foundations every room uses: the user-facing error, config field checks, command-line helpers."""

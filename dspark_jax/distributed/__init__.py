@@ -1,0 +1,1 @@
+"""Running over many devices and processes: the logical-axes-to-mesh table and meshes."""
