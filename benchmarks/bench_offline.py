@@ -6,7 +6,7 @@
 
 --prompts EVAL-split prompts (dspark_jax/data/splits.py: never trained on; math / code / chat in
 turn, chat template, at most --max-prompt-tokens each) are decoded in every configuration exactly
-as `python -m dspark_jax.decode --prompts-file ... --max-batch N` decodes them (`decode.run_engine`,
+as `python -m dspark_jax.decode --prompts-file ... --max-batch N` decodes them (`offline.run_engine`,
 the CLI's own code path), with the target's stop tokens on, so requests end at their own lengths:
 which is where continuous batching (a finished request's slot refilled at once) and static batches
 (each batch decoded until its longest request ends) differ. Configurations, for plain target
@@ -79,6 +79,7 @@ def eval_prompts(tokenizer, count: int, max_prompt_tokens: int) -> list[list[int
 def decode_args(args, drafter: str, count: int):
     """The `decode` flags of one engine, resolved as the CLI resolves them."""
     from dspark_jax import decode
+    from dspark_jax.engine import offline
 
     argv = ["--target", args.target, "--drafter", drafter, "--scheduler", args.scheduler, "--max-batch",
             str(args.max_batch), "--max-new-tokens", str(args.max_new_tokens), "--seed", str(args.seed), "--json",
@@ -88,7 +89,7 @@ def decode_args(args, drafter: str, count: int):
     if args.profile_sps:
         argv.append("--profile-sps")
     dargs = decode.parse_args(argv)
-    decode.resolve(dargs, count)
+    offline.resolve(dargs, count)
     return dargs
 
 
@@ -122,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from tqdm.auto import tqdm
 
-    from dspark_jax import decode
-    from dspark_jax.core.cli import PromptRecord
+    from dspark_jax.data.prompt_files import PromptRecord
+    from dspark_jax.engine import offline
     from dspark_jax.engine.sampling import SamplingConfig
 
     engines = {"plain": decode_args(args, "none", args.prompts)}
@@ -133,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             engines[f"speculative ({spec.scheduler})"] = spec
     target = common.load_benchmark_target(args)
     prompts = eval_prompts(target.tokenizer, args.prompts, args.max_prompt_tokens)
-    requests = [decode.Request(i, PromptRecord(f"eval prompt {i}", text=""), "", ids) for i, ids in enumerate(prompts)]
-    runners = {name: (None if e.drafter == "none" else decode.load_speculative(e, target)) for name, e in engines.items()}
+    requests = [offline.Request(i, PromptRecord(f"eval prompt {i}", text=""), "", ids) for i, ids in enumerate(prompts)]
+    runners = {name: (None if e.drafter == "none" else offline.load_speculative(e, target)) for name, e in engines.items()}
     sampling = SamplingConfig(0.0)
     pooled: dict = {}
     outputs: dict = {}
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 e.length_groups = mode == "continuous"
                 bar.set_postfix_str(f"{name} {mode}" + (" (warm-up)" if rep is None else ""))
                 got = {}
-                totals = decode.run_engine(e, target, runners[name], requests, sampling, args.seed,
+                totals = offline.run_engine(e, target, runners[name], requests, sampling, args.seed,
                                            on_result=lambda r, ids, stats: got.__setitem__(r.index, ids))
                 outputs.setdefault((name, mode), got)
                 compile_s.setdefault((name, mode), totals["compile_s"])  # the first run compiles

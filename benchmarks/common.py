@@ -95,11 +95,11 @@ def choose(text: str, known, what: str) -> list[str]:
 SCHEDULERS = ("fixed", "mtp1", "threshold", "dspark", "dspark-async")  # `decode --scheduler` choices
 
 def speculative_runner(args, target, *, scheduler: str, batch_size: int, profile_sps: bool = False):
-    """The run of `python -m dspark_jax.decode --drafter ...` (dspark_jax.decode.load_speculative):
+    """The run of `python -m dspark_jax.decode --drafter ...` (dspark_jax.engine.offline.load_speculative):
     a function (prompt batch, SamplingConfig, seed) -> SpecResult. `args` supplies drafter, gamma,
     threshold and max_new_tokens; the dspark schedulers' SPS table is the one `decode` keeps for
     this batch size under .dspark_cache/ (profiled when missing or when `profile_sps`)."""
-    from dspark_jax.decode import load_speculative
+    from dspark_jax.engine.offline import load_speculative
 
     return load_speculative(argparse.Namespace(
         drafter=args.drafter, scheduler=scheduler, gamma=args.gamma, threshold=args.threshold,

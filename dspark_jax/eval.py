@@ -128,7 +128,7 @@ def parse_bench(spec: str) -> tuple[str, str, str]:
 
 def load_benches(args) -> list[Bench]:
     """The benchmarks in domain order (math, code, chat, other), each cut to --limit prompts."""
-    from dspark_jax.core.cli import read_prompts_file
+    from dspark_jax.data.prompt_files import read_prompts_file
     from dspark_jax.data.splits import (
         DOMAINS,
         PROMPTS_DIR,

@@ -14,6 +14,7 @@ from cli_helpers import assert_one_line_error, run_main
 from test_cli import tiny_drafter  # noqa: F401  (a fixture)
 
 from dspark_jax import decode
+from dspark_jax.engine import offline
 
 WORDS = [f"w{i}" for i in range(3, 120)]
 
@@ -62,12 +63,12 @@ def tokens_by_index(records):
 
 
 def without_timings(record):
-    return {k: v for k, v in record.items() if k not in decode.TIMING_FIELDS}
+    return {k: v for k, v in record.items() if k not in offline.TIMING_FIELDS}
 
 
 def read_results(path):
     lines = [json.loads(line) for line in open(path, encoding="utf-8")]
-    assert lines[0]["format"] == decode.RESULTS_FORMAT
+    assert lines[0]["format"] == offline.RESULTS_FORMAT
     return lines[0], lines[1:]
 
 
@@ -77,12 +78,12 @@ def reference(tiny_target_folder, prompts_file):
     import argparse
 
     from dspark_jax.checkpoints.registry import load_target
-    from dspark_jax.core.cli import read_prompt_records
+    from dspark_jax.data.prompt_files import read_prompt_records
     from dspark_jax.engine.generate import generate
 
     target = load_target(tiny_target_folder)
-    requests = [decode.Request(i, r, decode.prompt_sha256(r)) for i, r in enumerate(read_prompt_records(prompts_file))]
-    decode.tokenize(argparse.Namespace(raw=False, max_new_tokens=10), target, requests)
+    requests = [offline.Request(i, r, offline.prompt_sha256(r)) for i, r in enumerate(read_prompt_records(prompts_file))]
+    offline.tokenize(argparse.Namespace(raw=False, max_new_tokens=10), target, requests)
     return {r.index: generate(target.params, target.config, [r.ids], max_new_tokens=10,
                               stop_ids=target.tokenizer.eos_token_ids).token_ids[0] for r in requests}
 
@@ -135,10 +136,10 @@ def test_length_groups(capsys, tiny_target_folder, prompts_file, reference, monk
     """Prompts are grouped by KV-cache length (shortest first); stdout stays in input order."""
     lengths = [3, 60, 5, 61, 2, 200, 4]
     cache = lambda n: 64 if n < 50 else (128 if n < 100 else 256)  # noqa: E731
-    assert decode.cache_groups(lengths, cache, slots=1) == [list(range(7))]  # < 8 per slot: merged
-    monkeypatch.setattr(decode, "MIN_GROUP_PER_SLOT", 1)
-    assert decode.cache_groups(lengths, cache, slots=2) == [[0, 2, 4, 6], [1, 3, 5]]  # the small last joins
-    assert decode.cache_groups(lengths, cache, slots=1) == [[0, 2, 4, 6], [1, 3], [5]]
+    assert offline.cache_groups(lengths, cache, slots=1) == [list(range(7))]  # < 8 per slot: merged
+    monkeypatch.setattr(offline, "MIN_GROUP_PER_SLOT", 1)
+    assert offline.cache_groups(lengths, cache, slots=2) == [[0, 2, 4, 6], [1, 3, 5]]  # the small last joins
+    assert offline.cache_groups(lengths, cache, slots=1) == [[0, 2, 4, 6], [1, 3], [5]]
 
     import dspark_jax.engine.generate as generate_module
 

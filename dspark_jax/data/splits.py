@@ -23,7 +23,7 @@ import functools
 import hashlib
 import os
 
-from dspark_jax.core.cli import read_prompts_file
+from dspark_jax.data.prompt_files import read_prompts_file
 from dspark_jax.core.errors import UserError
 
 PROMPTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "prompts")

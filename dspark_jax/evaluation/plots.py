@@ -23,7 +23,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from dspark_jax.core.cli import read_jsonl
+from dspark_jax.core.files import read_jsonl
 from dspark_jax.core.errors import UserError
 from dspark_jax.evaluation import calibration
 

@@ -134,7 +134,7 @@ TARGETS: dict[str, TargetShape] = {
 
 def target_from_hf_config(path: str) -> TargetShape:
     """A TargetShape from a Hugging Face config.json (parsed by the decoder's own config reader)."""
-    from dspark_jax.core.cli import read_json_object
+    from dspark_jax.core.files import read_json_object
     from dspark_jax.models.config import config_from_hf
 
     hf = read_json_object(path, "target config")

@@ -265,7 +265,7 @@ def eval_group(obj: dict, drafter: str | None, group: str, path: str = "") -> tu
 
 
 def load_json(path: str, what: str = "eval.json") -> dict:
-    from dspark_jax.core.cli import read_json_object
+    from dspark_jax.core.files import read_json_object
 
     return read_json_object(path, what)
 

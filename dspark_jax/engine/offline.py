@@ -1,0 +1,617 @@
+"""Offline generation over a list of prompts (`python -m dspark_jax.decode`): requests, the
+resumable results file, the engine run (continuous or static batches, plain or speculative) and
+the reporting of results in input order.
+
+`args` is the decode command's settings (its argparse namespace; `decode.parse_args` documents
+every field); `resolve` settles what the flags leave open before any weights load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import sys
+
+from dspark_jax.core.errors import UserError
+from dspark_jax.data.prompt_files import PromptRecord, prompt_text, read_prompt_records
+
+DEFAULT_MAX_BATCH = 8
+# Continuous batching runs prompts in groups of equal KV-cache length (shortest first), since with
+# several rows every step attends over the whole cache; a group smaller than this many prompts per
+# slot joins the next longer one, as the tail of a group (slots idling while its last requests
+# finish) would cost more than the shorter cache saves (about slots / (2 x group size) of the group).
+MIN_GROUP_PER_SLOT = 8
+RESULTS_FORMAT = "dspark_jax.decode/1"
+TIMING_FIELDS = ("request_wall_s", "request_tokens_per_s")  # the fields that differ between identical runs
+
+
+def drafter_settings(args, dcfg) -> tuple[str, int]:
+    """(scheduler, gamma) for this drafter: `--scheduler auto` resolved, --gamma and the scheduler
+    checked against what the drafter has (its block size, a confidence head)."""
+    scheduler = auto_scheduler(dcfg, args.batch_size) if args.scheduler == "auto" else args.scheduler
+    gamma = args.gamma or dcfg.block_size
+    if gamma < 1 or (dcfg.kind == "dspark" and gamma > dcfg.block_size):
+        raise UserError(f"--gamma {gamma} must be between 1 and the drafter's block size {dcfg.block_size}")
+    if scheduler in ("threshold", "dspark", "dspark-async") and not dcfg.confidence:
+        raise UserError(f"--scheduler {scheduler} needs a drafter with a confidence head")
+    return scheduler, gamma
+
+
+class Speculative:
+    """The speculative engine for the drafter given on the command line: call it on a static batch
+    (prompts, sampling, seed) -> SpecResult, or `serve` prompts with continuous batching.
+
+    `args` supplies drafter, scheduler, gamma, threshold, max_new_tokens, batch_size (the request
+    slots, which the verify buckets and the SPS table are sized for), json, sps_table, profile_sps."""
+
+    def __init__(self, args, target):
+        import jax
+        import jax.numpy as jnp
+
+        from dspark_jax.drafters.checkpoint import load_drafter
+
+        self.args, self.target = args, target
+        self.loaded = load_drafter(args.drafter, target.config, target.name)
+        self.dcfg = self.loaded.config
+        args.scheduler, self.gamma = drafter_settings(args, self.dcfg)
+        self.dparams = jax.tree.map(lambda a: jnp.asarray(a, target.config.dtype), self.loaded.params)
+        self.policy = args.scheduler.replace("-", "_")
+        # Every policy but "fixed" verifies fewer tokens than R x (gamma + 1): flatten them into buckets.
+        self.buckets = None
+        if self.policy != "fixed":
+            from dspark_jax.engine.sps import token_buckets
+
+            self.buckets = token_buckets(args.batch_size * (self.gamma + 1))
+
+    def config(self, prompts, sampling):
+        """The SpecConfig for these prompts (the dspark schedulers' SPS table is the one for the KV
+        cache they get)."""
+        from dspark_jax.engine.speculative import SpecConfig
+        from dspark_jax.engine.generate import pad_prompts
+
+        sps = None
+        if self.policy.startswith("dspark"):  # the round's cost depends on the KV cache this batch gets
+            max_len = pad_prompts(self.target.config, prompts, self.args.max_new_tokens, slack=self.gamma + 1)[2]
+            sps = sps_table(self.args, self.target, self.dcfg, self.dparams, self.gamma, max_len, self.buckets)
+        return SpecConfig(gamma=self.gamma, sampling=sampling, policy=self.policy, threshold=self.args.threshold,
+                          stop_ids=tuple(self.target.tokenizer.eos_token_ids), sps=sps, verify_buckets=self.buckets)
+
+    def __call__(self, batch, sampling, seed, progress: bool | None = None):
+        from dspark_jax.engine.speculative import speculative_generate
+
+        t = self.target
+        return speculative_generate(t.params, t.config, self.dparams, self.dcfg, batch,
+                                    max_new_tokens=self.args.max_new_tokens, cfg=self.config(batch, sampling),
+                                    temperatures=self.loaded.sts_temperatures, seed=seed,
+                                    progress=not self.args.json if progress is None else progress)
+
+    def serve(self, prompts, sampling, seed, *, slots: int, on_finish=None, on_progress=None):
+        from dspark_jax.engine.speculative import speculative_serve
+
+        t = self.target
+        return speculative_serve(t.params, t.config, self.dparams, self.dcfg, prompts, slots=slots,
+                                 max_new_tokens=self.args.max_new_tokens, cfg=self.config(prompts, sampling),
+                                 temperatures=self.loaded.sts_temperatures, seed=seed, on_finish=on_finish,
+                                 on_progress=on_progress, keep_rounds=False)
+
+
+def load_speculative(args, target) -> Speculative:
+    """The speculative engine for the drafter given on the command line (see `Speculative`)."""
+    return Speculative(args, target)
+
+
+def auto_scheduler(dcfg, batch_size: int) -> str:
+    """`--scheduler auto`: fixed without a confidence head; else Algorithm 1 for one request, and
+    the asynchronous variant for a batch, where Algorithm 1's early stop meets bucket cliffs (every
+    request's anchor fills a bucket exactly, so the first draft token pads the pass to the next) and
+    verifies nothing (docs/results.md section 6: 27-30% behind MTP-1 at 16 and 64 requests)."""
+    if not dcfg.confidence:
+        return "fixed"
+    return "dspark" if batch_size == 1 else "dspark-async"
+
+
+_TABLES: dict = {}  # SPS tables this process loaded or profiled, by file: read (or re-measured) once
+
+
+def sps_table(args, target, dcfg, dparams, gamma, max_len, buckets):
+    """Load the SPS table (round cost per verify bucket: the drafter's pass + the target's verify)
+    for this device, target, drafter, batch size, gamma and KV-cache length, or profile and save it.
+    The cache length matters: attention over a batch runs over the whole cache, so on a small
+    target it is a large part of a round (a table profiled at 512 positions overstates what extra
+    verify tokens cost at 256)."""
+    from dspark_jax.engine.speculative import profile_verify
+    from dspark_jax.engine.sps import device_kind, load_sps_table, save_sps_table
+    from dspark_jax.models import decoder
+
+    # The draft cost is part of a round: the table belongs to the drafter's shape as well as the target's.
+    # So does the decoder's layer layout: its costs differ (models/decoder.py).
+    drafter = f"{dcfg.kind}-{dcfg.num_layers}L-{dcfg.head}-d{dcfg.hidden_size}"
+    layout = decoder.layout_of(target.params)
+    model = (f"{target.name}:{target.config.num_layers}x{target.config.hidden_size}:{target.config.dtype}:{layout}"
+             f"+{drafter}:kv{max_len}")
+    path = args.sps_table or os.path.join(".dspark_cache", f"sps_{target.name}_{layout}_{drafter}_"
+                                          f"{device_kind().replace(' ', '_')}_b{args.batch_size}_g{gamma}_kv{max_len}.json")
+    if path in _TABLES:
+        return _TABLES[path]
+    if os.path.exists(path) and not args.profile_sps:
+        _TABLES[path] = load_sps_table(path, device=device_kind(), model=model, buckets=buckets)
+        return _TABLES[path]
+    if args.sps_table and not args.profile_sps:
+        raise UserError(f"no SPS table at {args.sps_table} (add --profile-sps to measure one)")
+    if not args.json:
+        print(f"profiling a round (draft + verify) for {len(buckets)} token buckets ...", file=sys.stderr)
+    table = profile_verify(target.params, target.config, dcfg, rows=args.batch_size, gamma=gamma, max_len=max_len,
+                           model=model, dparams=dparams)
+    save_sps_table(path, table)
+    _TABLES[path] = table
+    return table
+
+
+def request_stats(result, gamma: int) -> list[dict]:
+    """Per request of a static speculative batch, the totals `engine.speculative.RequestStats`
+    keeps under continuous batching: rounds, tau summed (bonus included), verified draft tokens
+    and, per draft position k, the rounds that reached k (1..k-1 accepted, k verified) and accepted it."""
+    from dspark_jax.engine.speculative import RequestStats
+
+    totals = RequestStats(len(result.token_ids), gamma)
+    for r in result.rounds:
+        totals.add(r)
+    return [totals.take(i) for i in range(len(result.token_ids))]
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+@dataclasses.dataclass
+class Request:
+    index: int  # position in the whole input (--prompt ones, then the file's lines), before --offset
+    prompt: PromptRecord
+    sha256: str  # of the prompt (text or messages): its identity in --output
+    ids: list[int] | None = None  # prompt token ids, once tokenised
+
+
+def prompt_sha256(record: PromptRecord) -> str:
+    content = {"prompt": record.text} if record.messages is None else {"messages": list(record.messages)}
+    return hashlib.sha256(json.dumps(content, ensure_ascii=False, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def read_inputs(args) -> list[PromptRecord]:
+    """Every prompt of the command line, --prompt ones first (not yet --offset / --limit)."""
+    records = [PromptRecord(f"prompt {i}", text=prompt_text(p)) for i, p in enumerate(args.prompt, 1)]
+    if args.prompts_file:
+        records += read_prompt_records(args.prompts_file)
+    if not records:
+        raise UserError("give at least one --prompt or a --prompts-file")
+    return records
+
+
+def select(args, records: list[PromptRecord]) -> list[Request]:
+    """The requests --offset / --limit select, each checked (no empty prompt, no conversation with --raw)."""
+    if args.offset >= len(records):
+        raise UserError(f"--offset {args.offset} skips all {len(records)} prompts")
+    end = len(records) if args.limit is None else min(len(records), args.offset + args.limit)
+    chosen = []
+    for index in range(args.offset, end):
+        rec = records[index]
+        if rec.messages is None and not rec.text.strip():
+            raise UserError(f"{rec.source} is empty" if rec.source.startswith("prompt ") else
+                            f"{rec.source}: the prompt is empty")
+        if rec.messages is not None and not any(m["content"].strip() for m in rec.messages):
+            raise UserError(f"{rec.source}: every message is empty")
+        if rec.messages is not None and args.raw:
+            raise UserError(f'{rec.source}: a conversation ("messages") needs the chat template; drop --raw')
+        chosen.append(Request(index, rec, prompt_sha256(rec)))
+    return chosen
+
+
+def tokenize(args, target, requests: list[Request]) -> None:
+    """Prompt ids of every request (chat template unless --raw), each checked against the context."""
+    from dspark_jax.engine.generate import check_context
+
+    tok = target.tokenizer
+    if tok.chat_template is None and not args.raw and any(r.prompt.messages is None for r in requests):
+        print(f"note: {target.name} has no chat template (a base model): prompts are tokenised as raw text"
+              + (" after its BOS" if tok.bos_token_id is not None else ""), file=sys.stderr)
+    for r in requests:
+        try:
+            if r.prompt.messages is not None:
+                r.ids = tok.encode(tok.apply_chat_template(list(r.prompt.messages)))
+            else:
+                r.ids = tok.encode(r.prompt.text) if args.raw else tok.chat_prompt_ids(r.prompt.text)
+            check_context(target.config, [len(r.ids)], args.max_new_tokens)
+        except UserError as e:
+            raise UserError(f"{r.prompt.source}: {e}") from None
+
+
+def generation_settings(args, target_name: str) -> dict:
+    """What decides a result (the --output header): a resumed run must match it exactly. Execution
+    choices (--max-batch, --batching, --length-groups) are left out: greedy output does not depend
+    on them."""
+    from dspark_jax.checkpoints.registry import KNOWN_TARGETS
+
+    settings = {"target": args.target if args.target in KNOWN_TARGETS else os.path.abspath(args.target),
+                "target_name": target_name, "dtype": args.dtype, "raw": args.raw,
+                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
+                "top_p": args.top_p, "seed": args.seed,
+                "drafter": args.drafter if args.drafter == "none" else os.path.abspath(args.drafter)}
+    if args.drafter != "none":
+        settings.update(scheduler=args.scheduler, gamma=args.gamma)
+        if args.scheduler == "threshold":
+            settings["threshold"] = args.threshold
+    return settings
+
+
+def derived_seed(seed: int, *parts) -> int:
+    """A seed of its own for part of a run (a resumed run, a later length group)."""
+    digest = hashlib.sha256(repr((seed,) + parts).encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+# ----------------------------------------------------------------------------- --output
+
+
+class ResultsFile:
+    """--output: JSONL, a header line {"format", "settings"} then one record per finished request,
+    appended as it completes (one write of the whole line, then fsync). Reading it back checks the
+    header against this run's settings and every record's `prompt_sha256` against the prompt now at
+    its `index`; a last line without its newline (a write cut short by a kill) is dropped. The file
+    is locked while a run uses it."""
+
+    def __init__(self, path: str, settings: dict, hashes: list[str]):
+        self.path, self.settings = path, settings
+        self.fd: int | None = None
+        self.records: dict[int, dict] = {}
+        self.keep = 0  # bytes of complete lines (what stays when a torn last line is cut)
+        self.size = 0
+        if os.path.isdir(path):
+            raise UserError(f"--output {path} is a directory")
+        if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise UserError(f"--output {path}: no such folder {os.path.dirname(os.path.abspath(path))}")
+        if os.path.exists(path):
+            try:
+                self.fd = os.open(path, os.O_RDWR)
+            except OSError as e:
+                raise UserError(f"cannot open --output {path}: {e.strerror}") from None
+            try:
+                self._lock()
+                self._read(hashes)
+            except BaseException:
+                self.close()
+                raise
+
+    def _lock(self) -> None:
+        import fcntl
+
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"--output {self.path} is in use by another decode run") from None
+
+    def _read(self, hashes: list[str]) -> None:
+        with os.fdopen(os.dup(self.fd), "rb") as f:
+            data = f.read()
+        self.size = len(data)
+        self.keep = data.rfind(b"\n") + 1
+        lines = data[: self.keep].split(b"\n")[:-1]
+        if not lines:  # empty, or a header cut short
+            if data and not data.startswith(b'{"format"'):
+                raise UserError(f"--output {self.path} is not a results file of python -m dspark_jax.decode")
+            return
+        header = self._parse(lines[0], 1)
+        if not isinstance(header, dict) or header.get("format") != RESULTS_FORMAT:
+            raise UserError(f"{self.path}:1: not a results file of python -m dspark_jax.decode "
+                            f"(no {RESULTS_FORMAT} header); use another --output")
+        if header.get("settings") != self.settings:
+            old = header.get("settings") if isinstance(header.get("settings"), dict) else {}
+            diff = [f"{k} {old.get(k)!r} there, {self.settings.get(k)!r} now"
+                    for k in sorted(set(old) | set(self.settings)) if old.get(k) != self.settings.get(k)]
+            raise UserError(f"--output {self.path} holds results of other settings ({'; '.join(diff)}): use another "
+                            "--output, or delete the file to start afresh")
+        for number, line in enumerate(lines[1:], 2):
+            if not line.strip():
+                continue
+            record = self._parse(line, number)
+            index = record.get("index") if isinstance(record, dict) else None
+            if not isinstance(index, int) or not isinstance(record.get("prompt_sha256"), str):
+                raise UserError(f"{self.path}:{number}: a record without index / prompt_sha256 (corrupt results file)")
+            if not 0 <= index < len(hashes) or record["prompt_sha256"] != hashes[index]:
+                raise UserError(f"{self.path}:{number}: the result for prompt {index} was made from another prompt "
+                                "than the one now at that position (the prompts changed): use another --output, or "
+                                "delete the file to start afresh")
+            if index in self.records:
+                raise UserError(f"{self.path}:{number}: a second result for prompt {index} (corrupt results file)")
+            self.records[index] = record
+
+    def _parse(self, line: bytes, number: int):
+        try:
+            return json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise UserError(f"{self.path}:{number}: not valid JSON (corrupt results file)") from None
+
+    def start(self) -> None:
+        """Ready to append: create the file with its header, or cut a torn last line."""
+        if self.fd is None:
+            try:
+                self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                raise UserError(f"--output {self.path} was created by another process meanwhile") from None
+            except OSError as e:
+                raise UserError(f"cannot create --output {self.path}: {e.strerror}") from None
+            self._lock()
+            self._sync_folder()
+        if self.keep != self.size:
+            os.ftruncate(self.fd, self.keep)
+        os.lseek(self.fd, 0, os.SEEK_END)
+        if self.keep == 0:
+            self._write({"format": RESULTS_FORMAT, "settings": self.settings})
+
+    def _sync_folder(self) -> None:
+        folder = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
+
+    def _write(self, obj: dict) -> None:
+        data = (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8", "replace")
+        while data:
+            data = data[os.write(self.fd, data):]
+        os.fsync(self.fd)
+
+    def append(self, record: dict) -> None:
+        self._write(record)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def cache_groups(lengths: list[int], cache_len, slots: int) -> list[list[int]]:
+    """Positions of `lengths` grouped by KV-cache length `cache_len(length)`, shortest cache first,
+    input order inside a group; a group of fewer than MIN_GROUP_PER_SLOT x slots prompts joins the
+    next longer one (the last joins the one before)."""
+    by_cache: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        by_cache.setdefault(cache_len(n), []).append(i)
+    groups: list[list[int]] = []
+    pending: list[int] = []
+    for c in sorted(by_cache):
+        pending += by_cache[c]
+        if len(pending) >= MIN_GROUP_PER_SLOT * slots:
+            groups.append(sorted(pending))
+            pending = []
+    if pending:
+        if groups:
+            groups[-1] = sorted(groups[-1] + pending)
+        else:
+            groups.append(sorted(pending))
+    return groups
+
+
+def run_engine(args, target, speculative: Speculative | None, requests: list[Request], sampling, seed: int,
+               on_result=None, on_progress=None) -> dict:
+    """Decode `requests` (tokenised) as args.batching / max_batch / length_groups say: plain target
+    decoding, or speculative with `speculative`. on_result(request, token_ids, stats) as each
+    completes (stats: "wall_s", and the speculative totals); on_progress(tokens, seconds) now and
+    then. Returns the run's totals: wall_s and compile_s (excluded from wall_s), tokens, and for
+    speculative decoding rounds and tau_sum (over every request's rounds)."""
+    from dspark_jax.engine.generate import bucket, generate, serve
+
+    stops = target.tokenizer.eos_token_ids
+    slots = args.max_batch
+    totals = {"wall_s": 0.0, "compile_s": 0.0, "tokens": 0, "rounds": 0, "tau_sum": 0}
+    done = [0, 0.0]  # tokens and seconds of the engine calls finished so far
+
+    def progress(tokens, seconds):
+        if on_progress is not None:
+            on_progress(done[0] + tokens, done[1] + seconds)
+
+    def finished(request, ids, stats):
+        totals["tokens"] += len(ids)
+        totals["rounds"] += stats.get("rounds", 0)
+        totals["tau_sum"] += stats.get("tau_sum", 0)
+        if on_result is not None:
+            on_result(request, ids, stats)
+
+    def account(result):
+        totals["wall_s"] += result.wall_s
+        totals["compile_s"] += result.compile_s
+        done[0], done[1] = totals["tokens"], totals["wall_s"]
+        progress(0, 0.0)
+
+    ids = [r.ids for r in requests]
+    if args.batching == "static":
+        for start in range(0, len(requests), slots):
+            batch = ids[start: start + slots]
+            if speculative is None:
+                result = generate(target.params, target.config, batch, max_new_tokens=args.max_new_tokens,
+                                  sampling=sampling, stop_ids=stops, seed=seed + start)
+                stats = [{} for _ in batch]
+            else:
+                result = speculative(batch, sampling, seed + start, progress=False)
+                stats = request_stats(result, speculative.gamma)
+            for j, token_ids in enumerate(result.token_ids):
+                finished(requests[start + j], token_ids, {**stats[j], "wall_s": result.wall_s})
+            account(result)
+        return totals
+
+    slack = 0 if speculative is None else speculative.gamma + 1
+
+    def cache_len(n: int) -> int:  # as generate.pad_prompts sizes the cache
+        return bucket(max(bucket(n), n + args.max_new_tokens + slack), minimum=64)
+
+    groups = cache_groups([len(p) for p in ids], cache_len, slots) if args.length_groups else [
+        list(range(len(ids)))]
+    for g, members in enumerate(groups):
+        prompts = [ids[i] for i in members]
+        on_finish = functools.partial(lambda members, j, token_ids, stats: finished(requests[members[j]], token_ids,
+                                                                                    stats), members)
+        group_seed = seed if g == 0 else derived_seed(seed, "group", g)
+        if speculative is None:
+            result = serve(target.params, target.config, prompts, slots=slots, max_new_tokens=args.max_new_tokens,
+                           sampling=sampling, stop_ids=stops, seed=group_seed, on_finish=on_finish,
+                           on_progress=progress)
+        else:
+            result = speculative.serve(prompts, sampling, group_seed, slots=slots, on_finish=on_finish,
+                                       on_progress=progress)
+        account(result)
+    return totals
+
+
+def make_record(request: Request, ids: list[int], stats: dict, target, max_batch: int) -> dict:
+    tok = target.tokenizer
+    wall = stats["wall_s"]
+    prompt = {"prompt": request.prompt.text} if request.prompt.messages is None else {
+        "messages": list(request.prompt.messages)}
+    record = {"index": request.index, **prompt, "prompt_sha256": request.sha256, "text": tok.decode(ids),
+              "token_ids": ids, "prompt_token_ids": list(request.ids), "num_tokens": len(ids),
+              "finish_reason": "stop" if ids and ids[-1] in tok.eos_token_ids else "length",
+              "request_wall_s": round(wall, 4), "request_tokens_per_s": round(len(ids) / wall, 2) if wall > 0 else None,
+              "max_batch": max_batch, "target": target.name}
+    if "rounds" in stats:
+        record.update(acceptance_length=round(stats["tau_sum"] / stats["rounds"], 4) if stats["rounds"] else 1.0,
+                      rounds=stats["rounds"], verified_tokens=stats["verified_tokens"],
+                      position_reached=stats["position_reached"], position_accepted=stats["position_accepted"])
+    return record
+
+
+class Reporter:
+    """Where results go: --output as each completes, stdout in input order (readable or --json),
+    and the progress bar on stderr (requests done, aggregate tokens/s, mean tau)."""
+
+    def __init__(self, args, order: list[int], done: dict[int, dict], output: ResultsFile | None, todo: int):
+        from tqdm.auto import tqdm
+
+        self.args, self.order, self.output = args, order, output
+        self.print_records = args.json or output is None
+        self.ready = dict(done) if self.print_records else {}  # records waiting for their turn on stdout
+        self.next = 0
+        self.tau_sum = self.rounds = 0
+        self.bar = tqdm(total=todo, unit="req", desc="decode", disable=args.json or todo == 0, file=sys.stderr,
+                        dynamic_ncols=True)
+        self.flush()
+
+    def result(self, record: dict, stats: dict) -> None:
+        if self.output is not None:
+            self.output.append(record)
+        self.tau_sum += stats.get("tau_sum", 0)
+        self.rounds += stats.get("rounds", 0)
+        if self.print_records:
+            self.ready[record["index"]] = record
+            self.flush()
+        self.bar.update(1)
+
+    def progress(self, tokens: int, seconds: float) -> None:
+        if seconds > 0:
+            tau = f", tau {self.tau_sum / self.rounds:.2f}" if self.rounds else ""
+            self.bar.set_postfix_str(f"{tokens / seconds:.1f} tok/s{tau}", refresh=False)
+
+    def flush(self) -> None:
+        while self.next < len(self.order) and self.order[self.next] in self.ready:
+            record = self.ready.pop(self.order[self.next])
+            self.next += 1
+            self.bar.write(json.dumps(record, ensure_ascii=False) if self.args.json else readable(record),
+                           file=sys.stdout)
+            sys.stdout.flush()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def readable(record: dict) -> str:
+    prompt = record["prompt"] if "prompt" in record else record["messages"][-1]["content"]
+    extra = f", tau {record['acceptance_length']:.2f}" if "acceptance_length" in record else ""
+    rate = record["request_tokens_per_s"] or 0.0
+    return (f"### {prompt}\n{record['text']}\n"
+            f"[{record['num_tokens']} tokens, {record['request_wall_s']:.2f} s, {rate:.1f} tokens/s{extra}]\n")
+
+
+def resolve(args, count: int) -> str:
+    """Settle what the flags leave open for `count` requests, checking what can be checked without
+    the target's weights: --max-batch (or its old name --batch-size; at most `count`, so no padding
+    rows and the SPS table and `auto` scheduler are for the rows really decoding, kept in both
+    args.max_batch and args.batch_size), the default drafter, --compare-ar, and the scheduler and
+    gamma (from the drafter's JSON). Returns the target's name."""
+    from dspark_jax.checkpoints.registry import default_drafter_path, resolve_target_path
+    from dspark_jax.drafters.checkpoint import read_drafter_config
+
+    if args.max_batch and args.batch_size and args.max_batch != args.batch_size:
+        raise UserError("--batch-size is the old name of --max-batch: give one of them")
+    slots = args.max_batch or args.batch_size or DEFAULT_MAX_BATCH
+    args.max_batch = args.batch_size = min(slots, count)
+    target_name, _ = resolve_target_path(args.target)
+    if args.drafter == "default":
+        args.drafter = default_drafter_path(target_name) or "none"
+    if args.compare_ar is None:
+        args.compare_ar = args.drafter != "none" and not args.json and not args.output
+    if args.drafter != "none":
+        args.scheduler, args.gamma = drafter_settings(args, read_drafter_config(args.drafter))
+    return target_name
+
+
+def decode_prompts(args) -> dict:
+    """Everything `python -m dspark_jax.decode` does between parsing and the summary: read and select
+    the prompts, check what can be checked before the target's weights load, resume from --output,
+    decode the rest (results reported as they complete) and, with --compare-ar, plain decoding too.
+    Returns the summary object."""
+    records = read_inputs(args)
+    requests = select(args, records)
+
+    from dspark_jax.checkpoints import registry
+    from dspark_jax.engine.sampling import SamplingConfig
+
+    # Everything that can be checked without the target's weights is checked before they load.
+    target_name = resolve(args, len(requests))
+    output = None
+    if args.output:
+        output = ResultsFile(args.output, generation_settings(args, target_name),
+                             [prompt_sha256(r) for r in records])
+    try:
+        done = {} if output is None else {i: r for i, r in output.records.items()
+                                          if requests[0].index <= i <= requests[-1].index}
+        todo = [r for r in requests if r.index not in done]
+        totals = {"wall_s": 0.0, "compile_s": 0.0, "tokens": 0, "rounds": 0, "tau_sum": 0}
+        ar = speculative = None
+        if not todo:
+            reporter = Reporter(args, [r.index for r in requests], done, output, 0)
+        else:
+            target = registry.load_target(args.target, dtype=args.dtype)
+            tokenize(args, target, todo)
+            speculative = None if args.drafter == "none" else load_speculative(args, target)
+            sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+            seed = args.seed if not done else derived_seed(args.seed, "resume", len(done))
+            if output is not None:
+                output.start()
+            reporter = Reporter(args, [r.index for r in requests], done, output, len(todo))
+
+            def on_result(request, ids, stats):
+                reporter.result(make_record(request, ids, stats, target, args.max_batch), stats)
+
+            totals = run_engine(args, target, speculative, todo, sampling, seed, on_result, reporter.progress)
+            if args.compare_ar and speculative is not None:
+                ar = run_engine(args, target, None, todo, sampling, seed)
+        reporter.close()
+    finally:
+        if output is not None:
+            output.close()
+    summary = {"requests": len(requests), "decoded": len(todo), "skipped": len(done),
+               "generated_tokens": totals["tokens"], "wall_s": round(totals["wall_s"], 4),
+               "compile_s": round(totals["compile_s"], 2),
+               "aggregate_tokens_per_s": round(totals["tokens"] / totals["wall_s"], 2) if totals["wall_s"] else None,
+               "batching": args.batching, "max_batch": args.max_batch, "target": target_name,
+               "drafter": args.drafter, "output": args.output}
+    if speculative is not None:
+        summary.update(scheduler=args.scheduler, gamma=args.gamma, rounds=totals["rounds"],
+                       mean_acceptance_length=round(totals["tau_sum"] / totals["rounds"], 4) if totals["rounds"] else 1.0)
+    if ar is not None:
+        summary.update(ar_wall_s=round(ar["wall_s"], 4),
+                       ar_aggregate_tokens_per_s=round(ar["tokens"] / ar["wall_s"], 2),
+                       speedup=round((totals["tokens"] / totals["wall_s"]) / (ar["tokens"] / ar["wall_s"]), 3))
+    return summary
