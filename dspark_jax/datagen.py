@@ -1,12 +1,76 @@
 """`python -m dspark_jax.datagen`: regenerate training responses with the target.
 
-The implementation lives in `dspark_jax.data.datagen` (see its docstring for the options and the
-output format); this module is only the command-line entry point.
+    python -m dspark_jax.datagen --target smollm2-135m --sets gsm8k,humaneval,arena-hard-v2 \
+        --split train --out data/smollm2-train [--limit N] [--max-new-tokens 512]
+
+The plan, the resumability and the output format are described in `dspark_jax.data.datagen`.
 """
 
-import sys
+from __future__ import annotations
 
-from dspark_jax.data.datagen import main
+import argparse
+import sys
+import time
+
+from dspark_jax.core.cli import POSITIVE_INT, ArgumentParser, flag, run_cli, setting_flag
+from dspark_jax.core.errors import UserError
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from dspark_jax.checkpoints.registry import DEFAULT_TARGET
+    from dspark_jax.engine.sampling import SamplingConfig
+
+    p = ArgumentParser(prog="python -m dspark_jax.datagen",
+                       description="Regenerate training responses with the target model.")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="known name, Hugging Face folder or .gguf file")
+    p.add_argument("--sets", required=True,
+                   help="comma-separated prompt sets (or domains math/code/chat, or all)")
+    p.add_argument("--split", default="train", help="train or eval (see dspark_jax/data/splits.py)")
+    p.add_argument("--out", required=True, help="output folder (resumed if it holds the same run)")
+    p.add_argument("--limit", type=POSITIVE_INT, default=None, help="at most N prompts per set (first N in file order)")
+    p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=512)
+    p.add_argument("--max-prompt-tokens", type=POSITIVE_INT, default=1024, help="skip longer prompts")
+    p.add_argument("--temperature", type=setting_flag(SamplingConfig, "temperature"), default=0.7)
+    p.add_argument("--top-p", type=setting_flag(SamplingConfig, "top_p"), default=0.8)
+    p.add_argument("--top-k", type=setting_flag(SamplingConfig, "top_k"), default=20)
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=16)
+    p.add_argument("--seed", type=flag(int, ge=0, lt=2**32), default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+@run_cli
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from dspark_jax.data import datagen
+    from dspark_jax.data.splits import SPLITS, parse_sets
+
+    if args.split not in SPLITS:
+        raise UserError(f"unknown split {args.split!r} (use one of: {', '.join(SPLITS)})")
+    sets = parse_sets(args.sets)
+    if args.limit is not None and args.limit < 1:
+        raise UserError("--limit must be at least 1")
+    from dspark_jax.data.splits import get_split
+
+    for name in sets:  # before the (slow) target load
+        if not get_split(name, args.split):
+            raise UserError(f"prompt set {name!r} has no {args.split} prompts")
+
+    from dspark_jax.checkpoints.registry import load_target
+
+    target = load_target(args.target, dtype=args.dtype)
+    t0 = time.perf_counter()
+    m = datagen.generate_dataset(target, sets, args.split, args.out, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                         batch_size=args.batch_size, seed=args.seed, max_prompt_tokens=args.max_prompt_tokens,
+                         progress=not args.quiet)
+    state = "complete" if m["complete"] else "incomplete"
+    print(f"{args.out}: {m['num_examples']}/{m['num_planned']} examples, {m['response_tokens']} response tokens, "
+          f"{len(m['shards'])}/{m['num_shards_planned']} shards ({state}, {time.perf_counter() - t0:.0f}s)",
+          file=sys.stderr)
+    return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

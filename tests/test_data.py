@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.checkpoints.registry import Target
+from dspark_jax import datagen as datagen_cli
 from dspark_jax.data import datagen, splits
 from dspark_jax.data.pipeline import (PackingConfig, ShardSource, block_labels, make_dataset, target_features)
 from dspark_jax.core.errors import UserError
@@ -146,7 +147,7 @@ def test_datagen_resume_matches_uninterrupted_run(tmp_path, tiny_target):
 
 
 def assert_cli_fails(capsys, message, *argv):
-    code = datagen.main(list(argv))
+    code = datagen_cli.main(list(argv))
     err = capsys.readouterr().err
     assert code == 2, err
     lines = err.strip().splitlines()
@@ -169,12 +170,12 @@ def test_cli_on_tiny_hf_target(capsys, tmp_path, tiny_target_folder):
     out = str(tmp_path / "o")
     argv = ["--target", tiny_target_folder, "--sets", "mbpp,humaneval", "--split", "eval", "--limit", "2",
             "--max-new-tokens", "4", "--max-prompt-tokens", "200", "--batch-size", "3", "--out", out, "--quiet"]
-    assert datagen.main(argv) == 0, capsys.readouterr().err
+    assert datagen_cli.main(argv) == 0, capsys.readouterr().err
     m = datagen.read_manifest(out)
     assert m["complete"] and m["num_examples"] == 4 and m["sets"] == ["humaneval", "mbpp"]
     assert m["sampling"] == dict(temperature=0.7, top_k=20, top_p=0.8) and m["split"] == "eval"
     argv[3] = "humaneval,mbpp"
-    assert datagen.main(argv) == 0  # already complete (set order is not a setting): nothing to do
+    assert datagen_cli.main(argv) == 0  # already complete (set order is not a setting): nothing to do
     capsys.readouterr()
     assert_cli_fails(capsys, "different settings (max_new_tokens: 4 there, 5 now)",
                      *[a if a != "4" else "5" for a in argv])

@@ -1,4 +1,4 @@
-"""Regenerate training responses with the TARGET: `python -m dspark_jax.datagen`.
+"""Regenerate training responses with the TARGET (the library of `python -m dspark_jax.datagen`).
 
     python -m dspark_jax.datagen --target smollm2-135m --sets gsm8k,humaneval,arena-hard-v2 \
         --split train --out data/smollm2-train [--limit N] [--max-new-tokens 512] \
@@ -29,17 +29,14 @@ Output folder:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 from typing import Sequence
 
 import numpy as np
 
-from dspark_jax.core.cli import run_cli
 from dspark_jax.core.errors import UserError
 
 FORMAT = "dspark-datagen-v1"
@@ -287,62 +284,3 @@ def generate_dataset(target, sets: Sequence[str], split: str, out: str, *, limit
                         refresh=False)
     bar.close()
     return manifest()
-
-
-# ---------------------------------------------------------------------------- CLI
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from dspark_jax.checkpoints.registry import DEFAULT_TARGET
-    from dspark_jax.core.cli import POSITIVE_INT, ArgumentParser, flag, setting_flag
-    from dspark_jax.engine.sampling import SamplingConfig
-
-    p = ArgumentParser(prog="python -m dspark_jax.datagen",
-                       description="Regenerate training responses with the target model.")
-    p.add_argument("--target", default=DEFAULT_TARGET, help="known name, Hugging Face folder or .gguf file")
-    p.add_argument("--sets", required=True,
-                   help="comma-separated prompt sets (or domains math/code/chat, or all)")
-    p.add_argument("--split", default="train", help="train or eval (see dspark_jax/data/splits.py)")
-    p.add_argument("--out", required=True, help="output folder (resumed if it holds the same run)")
-    p.add_argument("--limit", type=POSITIVE_INT, default=None, help="at most N prompts per set (first N in file order)")
-    p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=512)
-    p.add_argument("--max-prompt-tokens", type=POSITIVE_INT, default=1024, help="skip longer prompts")
-    p.add_argument("--temperature", type=setting_flag(SamplingConfig, "temperature"), default=0.7)
-    p.add_argument("--top-p", type=setting_flag(SamplingConfig, "top_p"), default=0.8)
-    p.add_argument("--top-k", type=setting_flag(SamplingConfig, "top_k"), default=20)
-    p.add_argument("--batch-size", type=POSITIVE_INT, default=16)
-    p.add_argument("--seed", type=flag(int, ge=0, lt=2**32), default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
-
-
-@run_cli
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from dspark_jax.data.splits import SPLITS, parse_sets
-
-    if args.split not in SPLITS:
-        raise UserError(f"unknown split {args.split!r} (use one of: {', '.join(SPLITS)})")
-    sets = parse_sets(args.sets)
-    if args.limit is not None and args.limit < 1:
-        raise UserError("--limit must be at least 1")
-    from dspark_jax.data.splits import get_split
-
-    for name in sets:  # before the (slow) target load
-        if not get_split(name, args.split):
-            raise UserError(f"prompt set {name!r} has no {args.split} prompts")
-
-    from dspark_jax.checkpoints.registry import load_target
-
-    target = load_target(args.target, dtype=args.dtype)
-    t0 = time.perf_counter()
-    m = generate_dataset(target, sets, args.split, args.out, limit=args.limit, max_new_tokens=args.max_new_tokens,
-                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                         batch_size=args.batch_size, seed=args.seed, max_prompt_tokens=args.max_prompt_tokens,
-                         progress=not args.quiet)
-    state = "complete" if m["complete"] else "incomplete"
-    print(f"{args.out}: {m['num_examples']}/{m['num_planned']} examples, {m['response_tokens']} response tokens, "
-          f"{len(m['shards'])}/{m['num_shards_planned']} shards ({state}, {time.perf_counter() - t0:.0f}s)",
-          file=sys.stderr)
-    return 0
