@@ -8,6 +8,7 @@ import pytest
 from cli_helpers import assert_one_line_error, run_main
 
 from dspark_jax import eval as eval_cli
+from dspark_jax.evaluation import benchmark
 from dspark_jax.data.splits import get_split
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -82,11 +83,11 @@ def evaluated(setup, tiny_target_folder):
 def test_builtin_sets_use_the_eval_split_and_domains(setup):
     args = eval_cli.parse_args(["--drafters", "x", "--out", "o", "--sets", "chat,gsm8k", "--limit", "5",
                                 "--bench", f"mine={setup['m2']}"])
-    benches = eval_cli.load_benches(args)  # domain order: math, code, chat, other
+    benches = benchmark.load_benches(args)  # domain order: math, code, chat, other
     assert [(b.name, b.domain) for b in benches] == [("gsm8k", "math"), ("arena-hard-v2", "chat"), ("mine", "other")]
     assert benches[0].prompts == get_split("gsm8k", "eval")[:5] and benches[2].prompts == BENCHES["m2"]
     args = eval_cli.parse_args(["--drafters", "x", "--out", "o", "--limit", "1"])
-    assert [b.name for b in eval_cli.load_benches(args)] == ["gsm8k", "math500", "humaneval", "mbpp", "arena-hard-v2"]
+    assert [b.name for b in benchmark.load_benches(args)] == ["gsm8k", "math500", "humaneval", "mbpp", "arena-hard-v2"]
 
 
 def test_report_structure_and_labels(evaluated):

@@ -1,0 +1,64 @@
+"""Calibrating a drafter's confidence head (`python -m dspark_jax.calibrate`): record full-length
+rounds on held-out prompts, fit Sequential Temperature Scaling (DESIGN.md 2.6), report, store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from dspark_jax.core.errors import UserError
+from dspark_jax.evaluation.rounds import collect_rounds
+
+
+def calibrate_drafter(args) -> dict:
+    """What `python -m dspark_jax.calibrate` does (args: its settings): full-length rounds on the
+    eval split's last --limit prompts per set, STS fitted on half and measured on the other half
+    (the report), then fitted on all rounds and stored in the drafter (or --save-to). Writes
+    OUT/report.json and OUT/reliability.png; returns the summary the command prints."""
+    from dspark_jax.checkpoints import registry
+    from dspark_jax.data.splits import get_split, parse_sets
+    from dspark_jax.drafters.checkpoint import load_drafter, read_drafter_config, save_drafter
+    from dspark_jax.evaluation.calibration import (
+        calibration_report,
+        fit_sts,
+        to_jsonable,
+    )
+    from dspark_jax.evaluation.plots import reliability_diagram
+
+    # Everything checkable without the target is checked before it loads: the drafter's JSON, the sets.
+    if not read_drafter_config(args.drafter).confidence:
+        raise UserError("this drafter has no confidence head: nothing to calibrate")
+    prompts = [q for name in parse_sets(args.sets) for q in get_split(name, "eval")[-args.limit:]]
+    loaded = load_drafter(args.drafter)
+    target = registry.load_target(args.target or loaded.config.target_name)
+    loaded.config.check_target(target.config, target.name)
+    logits, accepted, _, _ = collect_rounds(target, loaded, prompts, max_new_tokens=args.max_new_tokens,
+                                            temperature=args.temperature, batch_size=args.batch_size,
+                                            seed=args.seed, progress=not args.no_progress)
+    if len(accepted) < 20:
+        raise UserError(f"only {len(accepted)} decoding rounds were recorded: use more prompts or tokens")
+    order = np.random.default_rng(args.seed).permutation(len(accepted))
+    fit_idx, test_idx = order[: len(order) // 2], order[len(order) // 2:]
+    held_out_temps = fit_sts(logits[fit_idx], accepted[fit_idx])
+    report = calibration_report(logits[test_idx], accepted[test_idx], held_out_temps)
+    temperatures = fit_sts(logits, accepted)  # the stored temperatures use every round
+    out = args.out or os.path.join(args.drafter, "calibration")
+    os.makedirs(out, exist_ok=True)
+    summary = {"drafter": args.drafter, "target": target.name, "rounds": len(accepted),
+               "prompts": len(prompts), "sets": args.sets, "temperature": args.temperature,
+               "max_new_tokens": args.max_new_tokens, "temperatures": temperatures, "held_out_report": report}
+    with open(os.path.join(out, "report.json.tmp"), "w") as f:
+        json.dump(to_jsonable(summary), f, indent=1)
+    os.replace(os.path.join(out, "report.json.tmp"), os.path.join(out, "report.json"))
+    png = reliability_diagram(report, os.path.join(out, "reliability.png"),
+                              title=f"STS calibration ({len(test_idx)} held-out rounds)")
+    metadata = dict(loaded.metadata, calibration=to_jsonable({k: summary[k] for k in (
+        "rounds", "prompts", "sets", "temperature", "max_new_tokens")}))
+    save_drafter(args.save_to or args.drafter, loaded.config, loaded.params, sts_temperatures=temperatures,
+                 metadata=metadata, dtype=args.storage_dtype or loaded.storage_dtype)
+    return to_jsonable({"rounds": len(accepted), "temperatures": temperatures, "ece_raw": report["ece_raw"],
+                        "ece_sts": report["ece_sts"], "auc_sts": report["auc_sts"],
+                        "report": os.path.join(out, "report.json"), "plot": png})
