@@ -20,18 +20,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dspark_jax.core.cli import run_cli
+from dspark_jax.core.cli import ArgumentParser, run_cli
 from dspark_jax.core.errors import UserError
+from dspark_jax.serving import runs
 
 COMMANDS = ("run", "record", "validate")
-DEFAULT_CONCURRENCY = "1,2,4,8,16,32,64,128,256,512,1024"
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are UserErrors (one `error: ...` line, exit status 2)."""
-
-    def error(self, message: str):
-        raise UserError(message)
+DEFAULT_CONCURRENCY = ",".join(map(str, runs.DEFAULT_CONCURRENCY))
 
 
 def _ints(text: str) -> list[int]:
@@ -96,7 +90,7 @@ def parse_args(argv: list[str]) -> tuple[str, argparse.Namespace]:
     cmd = argv[0] if argv and argv[0] in COMMANDS else "run"
     rest = argv[1:] if argv and argv[0] in COMMANDS else argv
     prog = f"python -m dspark_jax.simulate {cmd}"
-    p = _Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     if cmd == "record":
         p.add_argument("--drafter", default="default", help="drafter folder ('default' = the shipped one)")
         p.add_argument("--target", default="smollm2-135m")
@@ -139,125 +133,33 @@ def parse_args(argv: list[str]) -> tuple[str, argparse.Namespace]:
     return cmd, p.parse_args(rest)
 
 
-def load_stats(args, single: bool = True):
-    """The RoundPool(s) the flags name."""
-    from dspark_jax.serving import rounds as R
-
-    if args.pool_size < 100:
-        raise UserError("--pool-size must be >= 100")
-    pools = []
-    if args.rounds_file:
-        pools.append(R.load_pool(args.rounds_file))
-    if args.eval_stats:
-        pools.append(R.pool_from_eval(args.eval_stats, drafter=args.eval_drafter, group=args.eval_group,
-                                      model=args.eval_model, n=args.pool_size, seed=args.seed, kappa=args.kappa))
-    if getattr(args, "acceptance_rates", None):
-        pools.append(R.rates_pool(args.acceptance_rates, 2.0 if args.kappa is None else args.kappa, args.pool_size,
-                                  args.seed, {"kind": "what-if:rates", "rates": args.acceptance_rates}))
-    if not pools:
-        raise UserError("give drafter statistics: --rounds-file, --eval-stats or --acceptance-rates")
-    if single and len(pools) > 1:
-        raise UserError("give only one of --rounds-file, --eval-stats, --acceptance-rates")
-    return pools
-
-
-def build_curve(args, gamma: int):
-    from dspark_jax.serving import hardware as H
-
-    if sum(map(bool, (args.sps_table, args.bench_curve))) > 1:
-        raise UserError("give only one of --sps-table and --bench-curve")
-    if args.sps_table:
-        return H.SPSTableCurve.from_files(args.sps_table, gamma)
-    if args.bench_curve:
-        from dspark_jax.serving.rounds import load_json
-
-        curve = H.MeasuredRoundCurve.from_bench(load_json(args.bench_curve, "bench_serving JSON"), args.bench_curve)
-        if curve.gamma != gamma:
-            raise UserError(f"{args.bench_curve} was measured at gamma {curve.gamma}, not {gamma}")
-        return curve
-    target = H.target_from_hf_config(args.target_config) if args.target_config else args.target
-    roof = H.roofline_by_name(
-        args.accelerator, target, drafter=H.DrafterShape(args.drafter_layers, args.markov_rank, args.taps), gamma=gamma,
-        kv_len=args.kv_len, chips=args.chips, verify_overhead_s=args.verify_overhead_ms / 1e3,
-        draft_overhead_s=args.draft_overhead_ms / 1e3, bandwidth_efficiency=args.bandwidth_efficiency,
-        flops_efficiency=args.flops_efficiency)
-    if min(args.drafter_layers, args.taps) < 1 or args.markov_rank < 0:
-        raise UserError("--drafter-layers and --taps must be >= 1, --markov-rank >= 0")
-    return H.RooflineCurve(roof, args.buckets)
-
-
 def cmd_run(args, argv) -> int:
-    from dspark_jax.serving.report import write_simulation
-    from dspark_jax.serving.simulator import SimConfig, simulate
-
-    pool = load_stats(args)[0]
-    if args.gamma is not None:
-        pool = pool.truncated(args.gamma)
-    curve = build_curve(args, pool.gamma)
-    concurrency = args.concurrency or (list(curve.concurrencies) if curve.concurrencies else
-                                       _ints(DEFAULT_CONCURRENCY))
-    policies = tuple(x.strip() for x in args.policies.split(",") if x.strip())
-    cfg = SimConfig(policies=policies, threshold=args.threshold, slot_rounds=args.slot_rounds, warmup=args.warmup,
-                    request_rounds=args.request_rounds, seed=args.seed)
-
     def progress(c, rows):
         if not args.quiet:
             print(f"C={c:<5d} " + "  ".join(f"{r['policy']} {r['aggregate_tokens_per_s']:.1f} tok/s "
                                            f"(tau {r['tau']:.2f}, budget {r['verify_budget']:.2f})" for r in rows),
                   flush=True)
 
-    rows = simulate(pool, curve, concurrency, cfg, progress)
-    settings = {"policies": list(policies), "concurrency": list(concurrency), "gamma": pool.gamma,
-                "threshold": cfg.threshold, "slot_rounds": cfg.slot_rounds, "min_rounds": cfg.min_rounds,
-                "max_rounds": cfg.max_rounds, "warmup": cfg.warmup, "request_rounds": cfg.request_rounds,
-                "sampling": "replay" if cfg.replays(pool) else "iid",
-                "seed": cfg.seed}
-    result = {"settings": settings, "hardware": curve.describe(), "stats": pool.source,
-              "pool": {"rounds": len(pool.accepted), "requests": len(pool.requests), "full_tau": pool.full_tau()},
-              "label": f"\n{args.label}" if args.label else "", "rows": rows}
-    for path in write_simulation(args.out, argv, result):
+    for path in runs.run_simulation(args, argv, progress):
         print("wrote", path)
     return 0
 
 
 def cmd_record(args, argv) -> int:
-    from dspark_jax.serving.rounds import record_rounds, write_json
-
-    rec = record_rounds(drafter=args.drafter, target=args.target, prompts=args.prompts,
-                        max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                        max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size, seed=args.seed)
-    from dspark_jax.serving.report import meta
-
-    rec.update({k: v for k, v in meta(argv).items() if k in ("command", "machine")})
-    write_json(args.out, rec, indent=None)
+    rec = runs.record(args, argv)
     print(f"recorded {rec['rounds']} rounds of {rec['prompts']} requests (full-length tau {rec['full_tau']:.3f}); "
           f"wrote {args.out}")
     return 0
 
 
 def cmd_validate(args, argv) -> int:
-    from dspark_jax.serving import hardware as H
-    from dspark_jax.serving.report import header, meta, out_paths, write_text
-    from dspark_jax.serving.rounds import load_json, write_json
-    from dspark_jax.serving.validation import TIMING_NOISE, bench_settings, validate, validation_markdown
-
-    bench = load_json(args.bench, "bench_serving JSON")
-    gamma = int(bench_settings(bench, args.bench)["gamma"])
-    pools = load_stats(args, single=False)
-    curve = H.SPSTableCurve.from_files(args.sps_table, gamma) if args.sps_table else None
-    noise = TIMING_NOISE if args.timing_noise is None else args.timing_noise
-    results = [validate(bench, pool, curve=curve, episodes=args.episodes, seed=args.seed, bench_path=args.bench,
-                        timing_noise=noise) for pool in pools]
-    m = meta(argv)
-    md_path, json_path, _ = out_paths(args.out)
-    write_json(json_path, {**m, "results": results})
-    write_text(md_path, validation_markdown(header(m), results))
+    results, paths = runs.validate_bench(args, argv)
     for res in results:
         print(f"{res['pool']['source'].get('kind')}: " + ", ".join(
             f"{c['scheduler']} C={c['concurrency']} {c['measured_aggregate_tokens_per_s']:.1f} vs "
             f"{c['simulated_aggregate_tokens_per_s']:.1f} ({100 * c['aggregate_rel_error']:+.0f}%)"
             for c in res["cells"]))
-    print("wrote", md_path, json_path)
+    print("wrote", *paths)
     return 0
 
 

@@ -6,5 +6,6 @@
   decoding, or synthesised from `python -m dspark_jax.eval`'s JSON;
 * `simulator`: the steady-state round loop over the engine's real scheduler functions;
 * `validation`: the simulator against a measured bench_serving run;
-* `report`: JSON, Markdown and PNG outputs.
+* `report`: JSON, Markdown and PNG outputs;
+* `runs`: the command's runs (simulate, record, validate) from its flags.
 """
