@@ -303,33 +303,49 @@ def serve(
         run_admit = compiled(admit_row, (run_first.out_info, one, np.int32(0)), {})
     compile_s = time.perf_counter() - t0
 
-    results: list[list[int] | None] = [None] * n
-    owner = list(range(slots))
-    started = [0.0] * slots
-    waiting, finished_tokens, prefill_s = slots, 0, 0.0
+    def refill(state, row, index):
+        p = prompts[index]
+        new = run_refill[bucket(len(p))](*prefill_args([p], base_key), np.int32(index))
+        return run_admit(state, new, np.int32(row))
+
+    results, _, prefill_s, decode_s = continuous_batching(
+        lambda: run_first(*first_args), refill, lambda state, owner: run_chunk(params, state),
+        requests=n, owner=list(range(slots)), on_finish=on_finish, on_progress=on_progress)
+    return GenerationResult(results, prefill_s, decode_s, compile_s)
+
+
+def continuous_batching(first, refill, step, *, requests: int, owner: list[int], take=None, on_finish=None,
+                        on_progress=None):
+    """The refill loop both engines share. `first()` prefills the first requests into their rows
+    (owner[row]: the request a row holds, -1 for none); whenever rows are done (`state.done`),
+    their tokens are taken (`state.output[row, :state.num_generated[row]]`, stats `take(row)` plus
+    "wall_s" from the request's prefill) and `refill(state, row, index)` admits the next waiting
+    request into the row; otherwise `step(state, owner)` advances every row. Returns (tokens and
+    stats per request in input order, prefill seconds, decode seconds)."""
     t_start = time.perf_counter()
-    state = run_first(*first_args)
+    state = first()
     jax.block_until_ready(state)
-    prefill_s += time.perf_counter() - t_start
-    started = [t_start] * slots
+    prefill_s = time.perf_counter() - t_start
+    results: list[list[int] | None] = [None] * requests
+    stats: list[dict | None] = [None] * requests
+    started = [t_start] * len(owner)
+    waiting, finished_tokens = sum(o >= 0 for o in owner), 0
     while True:
-        done = np.asarray(state.done)
-        finished = [r for r in range(slots) if owner[r] >= 0 and done[r]]
+        done, counts = np.asarray(state.done), np.asarray(state.num_generated)
+        finished = [r for r, i in enumerate(owner) if i >= 0 and done[r]]
         if finished:
-            output, counts = np.asarray(state.output), np.asarray(state.num_generated)
-            now = time.perf_counter()
+            output, now = np.asarray(state.output), time.perf_counter()
             for r in finished:
                 i = owner[r]
                 results[i] = output[r, : counts[r]].tolist()
+                stats[i] = {**(take(r) if take is not None else {}), "wall_s": now - started[r]}
                 finished_tokens += len(results[i])
                 owner[r] = -1
                 if on_finish is not None:
-                    on_finish(i, results[i], {"wall_s": now - started[r]})
-                if waiting < n:
+                    on_finish(i, results[i], stats[i])
+                if waiting < requests:
                     t = time.perf_counter()
-                    p = prompts[waiting]
-                    new = run_refill[bucket(len(p))](*prefill_args([p], base_key), np.int32(waiting))
-                    state = run_admit(state, new, np.int32(r))
+                    state = refill(state, r, waiting)
                     jax.block_until_ready(state)
                     owner[r], started[r] = waiting, t
                     waiting += 1
@@ -337,13 +353,13 @@ def serve(
             continue  # a refilled request may be done already (a stop token first)
         if all(o < 0 for o in owner):
             break
-        state = run_chunk(params, state)
+        state = step(state, owner)
         if on_progress is not None:
             counts = np.asarray(state.num_generated)
-            on_progress(finished_tokens + sum(int(counts[r]) for r in range(slots) if owner[r] >= 0),
+            on_progress(finished_tokens + sum(int(counts[r]) for r, i in enumerate(owner) if i >= 0),
                         time.perf_counter() - t_start)
     wall = time.perf_counter() - t_start
-    return GenerationResult(results, prefill_s, wall - prefill_s, compile_s)
+    return results, stats, prefill_s, wall - prefill_s
 
 
 _COMPILED: dict = {}

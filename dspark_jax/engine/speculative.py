@@ -30,7 +30,7 @@ from dspark_jax.engine import drafting
 from dspark_jax.engine import scheduler as S
 from dspark_jax.engine.acceptance import verify_greedy, verify_sampled
 from dspark_jax.engine.sps import SPSTable, pad_to_bucket
-from dspark_jax.engine.generate import GenerationResult, compiled, pad_prompts, stop_mask
+from dspark_jax.engine.generate import GenerationResult, compiled, continuous_batching, pad_prompts, stop_mask
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.engine.sampling import SamplingConfig, processed_log_probs, sample
@@ -434,50 +434,24 @@ def speculative_serve(
     jax.random.key(seed)  # the refills' key op, compiled here rather than at the first refill
     compile_s = time.perf_counter() - t0
 
-    results: list[list[int] | None] = [None] * len(prompts)
-    request_stats: list[dict | None] = [None] * len(prompts)
     totals = RequestStats(slots, cfg.gamma)
-    waiting, finished_tokens, prefill_s = len(first), 0, 0.0
     rounds = []
-    t_start = time.perf_counter()
-    state = run_first(*first_args)
-    jax.block_until_ready(state)
-    prefill_s += time.perf_counter() - t_start
-    started = [t_start] * slots
-    while True:
-        done, counts = np.asarray(state.done), np.asarray(state.num_generated)
-        finished = [r for r in range(slots) if owner[r] >= 0 and done[r]]
-        if finished:
-            output, now = np.asarray(state.output), time.perf_counter()
-            for r in finished:
-                i = owner[r]
-                results[i] = output[r, : counts[r]].tolist()
-                request_stats[i] = {**totals.take(r), "wall_s": now - started[r]}
-                finished_tokens += len(results[i])
-                owner[r] = -1
-                if on_finish is not None:
-                    on_finish(i, results[i], request_stats[i])
-                if waiting < len(prompts):
-                    t = time.perf_counter()
-                    args = prefill_args([prompts[waiting]], [max_new_tokens], jax.random.key(seed + 1 + waiting))
-                    new = run_refill[args[2].shape[1]](*args)
-                    state = run_admit[args[2].shape[1]](state, new, np.int32(r))
-                    jax.block_until_ready(state)
-                    owner[r], started[r] = waiting, t
-                    waiting += 1
-                    prefill_s += time.perf_counter() - t
-            continue  # a refilled request may be done already (a stop token first)
-        if all(o < 0 for o in owner):
-            break
+
+    def refill(state, row, index):
+        args = prefill_args([prompts[index]], [max_new_tokens], jax.random.key(seed + 1 + index))
+        new = run_refill[args[2].shape[1]](*args)
+        return run_admit[args[2].shape[1]](state, new, np.int32(row))
+
+    def step(state, owner):
         t = time.perf_counter()
         state, stats = run_round(target_params, dparams, state, temps)
         stats = {k: np.asarray(v) for k, v in dataclasses.asdict(stats).items()}
         totals.add(stats)
         if keep_rounds:
             rounds.append({"request": np.asarray(owner), **stats, "seconds": time.perf_counter() - t})
-        if on_progress is not None:
-            counts = np.asarray(state.num_generated)
-            on_progress(finished_tokens + sum(int(counts[r]) for r in range(slots) if owner[r] >= 0),
-                        time.perf_counter() - t_start)
-    wall = time.perf_counter() - t_start
-    return SpecResult(results, prefill_s, wall - prefill_s, compile_s, rounds, request_stats)
+        return state
+
+    results, request_stats, prefill_s, decode_s = continuous_batching(
+        lambda: run_first(*first_args), refill, step, requests=len(prompts), owner=owner, take=totals.take,
+        on_finish=on_finish, on_progress=on_progress)
+    return SpecResult(results, prefill_s, decode_s, compile_s, rounds, request_stats)
