@@ -399,7 +399,7 @@ def test_sps_table_json_round_trip_and_errors(tmp_path):
         load_sps_table(path, device="NVIDIA H200", model="llama-3-8b")
     with pytest.raises(UserError, match=r"covers token buckets \[1, 2, 4\], but the engine uses \[1, 2, 4, 8\]"):
         load_sps_table(path, buckets=(1, 2, 4, 8))
-    with pytest.raises(UserError, match="does not exist"):
+    with pytest.raises(UserError, match="no such SPS table .*; profile the verify step first"):
         load_sps_table(tmp_path / "missing.json")
 
     bad = tmp_path / "bad.json"

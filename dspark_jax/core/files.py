@@ -7,17 +7,18 @@ import json
 from dspark_jax.core.errors import UserError
 
 
-def read_json_object(path: str, what: str) -> dict:
-    """A JSON file holding one object; a missing, unreadable or malformed file is a one-line UserError."""
+def read_json_object(path: str, what: str, missing: str = "", corrupt: str = "") -> dict:
+    """A JSON file holding one object; a missing, unreadable or malformed file is a one-line
+    UserError, ending with `missing` / `corrupt` (what to do about it) when given."""
     try:
         with open(path) as f:
             obj = json.load(f)
     except FileNotFoundError:
-        raise UserError(f"no such {what} {path}") from None
+        raise UserError(f"no such {what} {path}{missing}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{what} {path} is unreadable or not JSON ({type(e).__name__})") from None
+        raise UserError(f"{what} {path} is unreadable or not JSON ({type(e).__name__}){corrupt}") from None
     if not isinstance(obj, dict):
-        raise UserError(f"{what} {path} is not a JSON object")
+        raise UserError(f"{what} {path} is not a JSON object{corrupt}")
     return obj
 
 

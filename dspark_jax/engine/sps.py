@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.core.errors import UserError
+from dspark_jax.core.files import read_json_object
 
 FORMAT = "dspark-sps-table"
 VERSION = 1
@@ -220,14 +221,8 @@ def load_sps_table(path: str | os.PathLike, *, device: str | None = None, model:
     one-line `UserError` that says to re-profile.
     """
     path = os.fspath(path)
-    try:
-        with open(path) as f:
-            obj = json.load(f)
-    except FileNotFoundError:
-        raise UserError(f"SPS table {path} does not exist; profile the verify step first") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"SPS table {path} is unreadable or not JSON ({type(e).__name__}); "
-                        "delete it and re-profile") from None
+    obj = read_json_object(path, "SPS table", missing="; profile the verify step first",
+                           corrupt="; delete it and re-profile")
     try:
         table = SPSTable.from_json(obj)
     except (KeyError, TypeError, ValueError) as e:
