@@ -4,7 +4,7 @@ Built from grain's own pieces, so the iterator state can be checkpointed and res
 
     ShardSource (grain RandomAccessDataSource over the datagen folders, all shards in memory)
       -> grain.MapDataset.source(...)
-      -> [per-process slice: grain.sharding.ShardByJaxProcess + even_split]
+      -> [per-process slice: grain.sharding.ShardOptions + even_split; none for the global stream]
       -> .shuffle(seed).repeat(num_epochs)      (grain reshuffles every epoch: seed folded with epoch)
       -> .map_with_index(sample anchors)        (rng = (seed, epoch, example index): new every epoch;
                                                  each token keeps its index in ShardSource.tokens)
@@ -46,13 +46,22 @@ s + k + 1 < S and segment_ids[b, s + k + 1] == segment_ids[b, s] (see `block_lab
 labels are the ones past the end of the sequence. Its context is the slots of the same segment
 before s.
 
-Multi-host: each JAX process reads a disjoint contiguous slice of the examples
-(`grain.sharding.ShardByJaxProcess(drop_remainder=True)`, i.e. `jax.process_index()` /
-`jax.process_count()`), shuffles and packs it independently and yields its own [B, S] batch; the
-global batch is process_count * B rows (assemble with `jax.make_array_from_process_local_data`).
-Because packing density differs between processes, finite epochs can give different numbers of
-batches per process: train multi-host with `num_epochs=None` (endless) and a fixed step count.
-Each process checkpoints its own iterator state.
+Multi-process. Two ways to feed several JAX processes:
+  * the global stream (what the trainer does): every process builds the same stream of global
+    batches (`shard_options=grain.sharding.NoSharding()`, batch_size = the global rows) and keeps
+    the rows its devices hold (`process_rows`), which it hands to
+    `jax.make_array_from_process_local_data`. Global batch g is then a function of the data, the
+    seed and g alone, not of the process count, so a run continues identically on another
+    topology, and the iterator state is the same on every process (one copy to checkpoint). The
+    price: every process reads, shuffles and packs the whole global batch (host work, not device
+    work; gathering cached target features happens on the kept rows only).
+  * grain's per-process slice (the default, `grain.sharding.ShardByJaxProcess(drop_remainder=True)`):
+    each process reads a disjoint contiguous slice of the examples, shuffles and packs it
+    independently and yields its own [B, S] batch; the global batch is process_count * B rows.
+    Host work divides over the processes, but the global batches depend on the process count (a
+    checkpoint's data position only means something on the same topology: grain stores one iterator
+    state per process), and because packing density differs between processes, finite epochs can
+    give different numbers of batches per process.
 """
 
 from __future__ import annotations
@@ -152,7 +161,7 @@ class _Subset:
 
 @dataclasses.dataclass(frozen=True)
 class PackingConfig:
-    batch_size: int  # B rows per process
+    batch_size: int  # B rows per batch (per process with grain's per-process slice, else global)
     seq_len: int  # S slots per row
     max_blocks: int  # NB blocks per row
     block_size: int  # gamma
@@ -258,12 +267,23 @@ def process_shard(num_examples: int, shard_options=None) -> tuple[int, int]:
     return even_split(num_examples, shard_options)
 
 
+def process_rows(sharding: jax.sharding.Sharding, rows: int) -> np.ndarray:
+    """The rows (ascending) of a global [rows, ...] batch that this process's devices hold under
+    `sharding` (its first dimension): the process-local data `jax.make_array_from_process_local_data`
+    expects, in its order. All rows where the sharding replicates the batch."""
+    held: set[int] = set()
+    for index in sharding.addressable_devices_indices_map((rows,)).values():
+        held.update(range(*index[0].indices(rows)))
+    return np.asarray(sorted(held), np.int64)
+
+
 def make_dataset(data: str | Sequence[str] | ShardSource, cfg: PackingConfig, *, shard_options=None,
                  read_options: grain.ReadOptions | None = None) -> grain.IterDataset:
     """The batch stream (an IterDataset: `iter(...)` gives a checkpointable iterator).
 
     `data`: datagen folder(s) or a ShardSource. `shard_options`: a `grain.sharding.ShardOptions`
-    (default: ShardByJaxProcess(drop_remainder=True), i.e. this JAX process's slice).
+    (default: ShardByJaxProcess(drop_remainder=True), i.e. this JAX process's slice;
+    `grain.sharding.NoSharding()` for the global stream, see "Multi-process" above).
     """
     source = data if isinstance(data, ShardSource) else ShardSource(data)
     indices = usable_indices(source, cfg)

@@ -14,6 +14,16 @@ finalises a step by renaming a temporary folder, so a kill at any moment leaves 
 checkpoints. `resume=True` continues from the latest one, and because the data order lives in the
 iterator state and the step is deterministic, the resumed run is bit-for-bit the uninterrupted one.
 
+Multi-process (every process runs the same program, `dspark_jax.distributed.runtime`): every
+process iterates the same global batch stream and keeps the rows its devices hold
+(`pipeline.process_rows` of the batch sharding), assembled into global arrays with
+`jax.make_array_from_process_local_data`. So global batch g depends on g only, not on the process
+count, and the iterator state, identical on every process (checked at each save), is checkpointed
+once (item "data_global", JSON): a run saved by 2 processes resumes on 1 (or 1 on 2) with the same
+continuation. Every process calls the checkpoint manager (orbax writes each process's shards);
+process 0 alone writes run.json, metrics.jsonl and resumes.jsonl, behind barriers. run.out_dir must
+be one folder all processes see (a shared file system or a bucket).
+
 A run folder (run.out_dir) belongs to one run (`check_run_folder`): a fresh run refuses a folder
 that holds anything, `overwrite=True` clears one that holds only what a run writes, and a resume
 compares the folder's run.json (the config it was started with, written atomically at the start)
@@ -190,20 +200,22 @@ def load_data(folder: str):
 
 
 def _packed_batches(cfg: TrainConfig, dcfg: DrafterConfig, data, rows: int, epochs: int | None):
-    """Packed batches of `data` (a folder or a loaded ShardSource)."""
+    """The global stream of packed batches of `rows` rows of `data` (a folder or a loaded
+    ShardSource): the same on every process (see the module docstring)."""
+    import grain
+
     from dspark_jax.data.pipeline import PackingConfig, make_dataset
 
-    if rows % jax.process_count():
-        raise UserError(f"{rows} rows per step must divide over {jax.process_count()} processes")
-    packing = PackingConfig(batch_size=rows // jax.process_count(), seq_len=cfg.data.seq_len,
+    packing = PackingConfig(batch_size=rows, seq_len=cfg.data.seq_len,
                             max_blocks=cfg.data.blocks_per_row, block_size=dcfg.block_size,
                             anchors_per_seq=cfg.data.anchors_per_seq, seed=cfg.data.seed, num_epochs=epochs)
-    return iter(make_dataset(load_data(data) if isinstance(data, (str, os.PathLike)) else data, packing))
+    return iter(make_dataset(load_data(data) if isinstance(data, (str, os.PathLike)) else data, packing,
+                             shard_options=grain.sharding.NoSharding()))
 
 
 def make_train_iterator(cfg: TrainConfig, dcfg: DrafterConfig, source=None):
-    """This process's checkpointable grain iterator of packed batches (grad_accum micro-batches each)
-    of `source` (a ShardSource; default: data.train_dir loaded now)."""
+    """The checkpointable grain iterator of global packed batches (grad_accum micro-batches each,
+    every process the same) of `source` (a ShardSource; default: data.train_dir loaded now)."""
     return _packed_batches(cfg, dcfg, cfg.data.train_dir if source is None else source,
                            cfg.data.rows * cfg.optim.grad_accum, None)
 
@@ -404,6 +416,27 @@ def _sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def barrier(name: str) -> None:
+    """Wait until every process of a multi-process run gets here (nothing with one process)."""
+    _sync(name)
+
+
+def _check_same_everywhere(what: str, text: str) -> None:
+    """A UserError unless every process holds the same `text` (a no-op with one process)."""
+    if jax.process_count() == 1:
+        return
+    import hashlib
+
+    from jax.experimental import multihost_utils
+
+    digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)
+    try:
+        multihost_utils.assert_equal(digest, what)
+    except AssertionError:
+        raise UserError(f"the processes of this run disagree on {what}: every process must run the same "
+                        f"command with the same config and data") from None
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
@@ -414,10 +447,11 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, target,
                  data_factory: Callable[[TrainConfig, DrafterConfig, Any], Iterator] = make_train_iterator,
                  progress: bool = True):
-        """`data_factory(cfg, dcfg, source)` makes the train iterator from `source`, the ShardSource
-        of data.train_dir loaded once here (the feature cache is built from and checked against
-        that same source, so the batches' token_index and the cache always agree). Nothing is
-        written to run.out_dir until `fit` (or `save`)."""
+        """`data_factory(cfg, dcfg, source)` makes the train iterator (global batches, the same on
+        every process) from `source`, the ShardSource of data.train_dir loaded once here (the
+        feature cache is built from and checked against that same source, so the batches'
+        token_index and the cache always agree). Nothing is written to run.out_dir until `fit`
+        (or `save`)."""
         self.cfg, self.target = cfg, target
         self.dcfg = cfg.drafter_config(target.config, target.name)
         self.dcfg.check_target(target.config, target.name)
@@ -436,8 +470,8 @@ class Trainer:
         self.state_shardings = TrainState(replicated, p_sh, opt_sh)
         self.target_shardings = sharding.param_shardings(self.mesh, target.config, decoder.layout_of(target.params))
         self.target_params = jax.device_put(target.params, self.target_shardings)
-        self.batch_sharding = NamedSharding(self.mesh, sharding.logical_spec(
-            self.mesh, ("batch",), (cfg.data.rows * cfg.optim.grad_accum,)))
+        self.batch_rows = cfg.data.rows * cfg.optim.grad_accum  # global rows of a train batch
+        self.batch_sharding = NamedSharding(self.mesh, sharding.logical_spec(self.mesh, ("batch",), (self.batch_rows,)))
         step = make_train_step(cfg, self.dcfg, target.config, self.optimizer)
         self.train_step = jax.jit(step, in_shardings=(self.state_shardings, self.target_shardings, self.batch_sharding),
                                   out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
@@ -469,14 +503,19 @@ class Trainer:
         return jax.jit(init, out_shardings=self.state_shardings)(jax.random.key(seed))
 
     def save(self, state: TrainState) -> None:
-        import grain
+        """Checkpoint `state` and the data position; every process calls it (orbax writes each
+        process's shards, the JSON items from process 0)."""
         import orbax.checkpoint as ocp
 
+        data_state = json.loads(json.dumps(self.data.get_state()))
+        _check_same_everywhere(f"the data position at step {int(state.step)}", json.dumps(data_state, sort_keys=True))
         self.manager.save(int(state.step), args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(self.data),
+            state=ocp.args.StandardSave(state), data_global=ocp.args.JsonSave(data_state),
             config=ocp.args.JsonSave(json.loads(json.dumps(config_to_dict(self.cfg), default=str)))))
 
     def restore_latest(self) -> TrainState | None:
+        """The latest checkpoint's state (on this run's mesh, whatever the topology that saved it),
+        with the data iterator set to its position; None without checkpoints."""
         import grain
         import orbax.checkpoint as ocp
 
@@ -485,8 +524,15 @@ class Trainer:
             return None
         abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                                 jax.eval_shape(self.init_state), self.state_shardings)
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(self.data)))
+        if os.path.isdir(os.path.join(self.cfg.run.out_dir, CHECKPOINTS_DIR, str(step), "data_global")):
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), data_global=ocp.args.JsonRestore()))
+            self.data.set_state(restored["data_global"])
+            if hasattr(self.data, "start_prefetch"):
+                self.data.start_prefetch()
+        else:  # a checkpoint from before the global stream: grain's per-process iterator state (same topology)
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(self.data)))
         return restored["state"]
 
     def _feature_cache(self, progress: bool):
@@ -524,12 +570,42 @@ class Trainer:
         ctx, last = gather(self.feature_cache, token_index, batch["segment_ids"] > 0)
         return {**batch, "ctx_features": ctx, "target_last_hidden": last}
 
-    def device_batch(self, batch: dict, batch_sharding: NamedSharding | None = None) -> dict:
-        """This process's rows -> one global array per field (multi-host safe); token_index stays
-        on the host."""
+    def local_batch(self, batch: dict, batch_sharding: NamedSharding | None = None) -> dict:
+        """A global batch (from the stream every process iterates) -> the rows this process's
+        devices hold under `batch_sharding` (default: the train batch's); all of them with one
+        process."""
+        from dspark_jax.data.pipeline import process_rows
+
         batch_sharding = batch_sharding or self.batch_sharding
-        return {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v))
+        rows = len(next(iter(batch.values())))
+        keep = process_rows(batch_sharding, rows)
+        if len(keep) == rows:
+            return batch
+        return {k: np.asarray(v)[keep] for k, v in batch.items()}
+
+    def device_batch(self, batch: dict, batch_sharding: NamedSharding | None = None,
+                     rows: int | None = None) -> dict:
+        """This process's rows (`local_batch`) -> one global array per field of `rows` rows
+        (default: inferred from the sharding); token_index stays on the host."""
+        batch_sharding = batch_sharding or self.batch_sharding
+        shape = lambda v: None if rows is None else (rows,) + np.shape(v)[1:]  # noqa: E731
+        return {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v), shape(v))
                 for k, v in batch.items() if k != "token_index"}
+
+    def next_batch(self) -> tuple[dict, int]:
+        """The next train batch as the step takes it (global arrays), and its number of valid blocks."""
+        batch = next(self.data)
+        blocks = int(np.asarray(batch["block_valid"]).sum())
+        return self.device_batch(self.host_batch(self.local_batch(batch)), rows=self.batch_rows), blocks
+
+    def host_params(self, state: TrainState) -> dict:
+        """The params as numpy arrays on every process (a collective with several processes: all of
+        them must call it)."""
+        if jax.process_count() == 1:
+            return jax.tree.map(np.asarray, jax.device_get(state.params))
+        from jax.experimental import multihost_utils
+
+        return jax.tree.map(np.asarray, multihost_utils.process_allgather(state.params, tiled=True))
 
     def evaluate(self, params) -> dict:
         """Mean metrics over the first run.eval_batches batches of data.eval_dir (the same batches
@@ -539,8 +615,9 @@ class Trainer:
         batches = _packed_batches(self.cfg, self.dcfg, self.cfg.data.eval_dir, self.cfg.data.rows, 1)
         totals: dict = {}
         count = 0
-        for batch, _ in zip(batches, range(self.cfg.run.eval_batches)):
-            batch = self.device_batch(batch, self.eval_sharding)  # online target features
+        for batch, _ in zip(batches, range(self.cfg.run.eval_batches)):  # the same count on every process
+            batch = self.device_batch(self.local_batch(batch, self.eval_sharding), self.eval_sharding,
+                                      self.cfg.data.rows)  # online target features
             _, metrics = self.eval_step(params, self.target_params, batch)
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0) + np.asarray(v, np.float64)
@@ -552,6 +629,10 @@ class Trainer:
         """`check_run_folder`, then (process 0) clear it for an overwrite and write run.json for a
         new run, atomically."""
         cfg = self.cfg
+        same = dict(jsonable_config(cfg))  # paths may differ per host (local copies)
+        same["data"] = {k: v for k, v in same["data"].items() if k not in ("train_dir", "eval_dir", "feature_cache")}
+        same["run"] = {k: v for k, v in same["run"].items() if k != "out_dir"}
+        _check_same_everywhere("the run's config (paths aside)", json.dumps({**same, "target": None}, sort_keys=True))
         check = check_run_folder(cfg, resume, overwrite, allow_schedule_change)
         _sync("dspark-run-folder-checked")  # every process checked before process 0 writes
         if jax.process_index() == 0:
@@ -613,13 +694,15 @@ class Trainer:
             dropped = truncate_metrics(log_path, start)
             if check.stored is not None:
                 self._record_resume(check, start, dropped)
-        bar = tqdm(total=cfg.optim.steps, initial=start, disable=not progress, desc="train", unit="step")
-        rows = cfg.data.rows * cfg.optim.grad_accum
+        _sync("dspark-run-log-ready")  # metrics.jsonl cut back before anything is appended
+        bar = tqdm(total=cfg.optim.steps, initial=start, disable=not (progress and primary), desc="train",
+                   unit="step")
+        rows = self.batch_rows
         t_last, blocks = time.perf_counter(), 0
         with open(log_path if primary else os.devnull, "a") as log:
             for _ in range(start, end):
-                batch = self.device_batch(self.host_batch(next(self.data)))
-                blocks += int(np.asarray(batch["block_valid"]).sum())
+                batch, batch_blocks = self.next_batch()
+                blocks += batch_blocks
                 state, metrics = self.train_step(state, self.target_params, batch)
                 step = int(state.step)
                 bar.update(1)
