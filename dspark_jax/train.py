@@ -6,6 +6,9 @@ replaces the run in it), and `--resume` continues from the latest checkpoint the
 same run as an uninterrupted one) with the config the run started with (run.json; a changed
 schedule, e.g. more optim.steps, needs `--allow-schedule-change` and is recorded in resumes.jsonl).
 At the end the drafter is exported to run.out_dir/drafter (safetensors + JSON).
+Several processes (`--coordinator-address/--num-processes/--process-id`, or `--distributed`) train
+one run together: each runs this same command; the global batches, and so the run, do not depend on
+how many processes there are, and a run resumes on another number of processes.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import sys
 
 from dspark_jax.core.cli import ArgumentParser, run_cli
+from dspark_jax.distributed import runtime
 
 
 @run_cli
@@ -26,9 +30,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="replace the run in run.out_dir (removes what a run writes there, nothing else)")
     p.add_argument("--allow-schedule-change", action="store_true",
                    help="on --resume, accept changed optim.steps / run.* settings (recorded in resumes.jsonl)")
-    p.add_argument("--distributed", action="store_true",
-                   help="call jax.distributed.initialize() first (multi-host TPU / GPU)")
     p.add_argument("--no-progress", action="store_true")
+    runtime.add_distributed_flags(p)
     args = p.parse_args(argv)
     if args.allow_schedule_change and not args.resume:
         p.error("--allow-schedule-change only applies with --resume")
@@ -36,14 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_jax.training.config import load_config
 
     cfg = load_config(args.config, args.overrides)
-    import jax
-
-    if args.distributed:
-        jax.distributed.initialize()
+    runtime.initialize(args)  # before anything touches devices
     from dspark_jax.checkpoints.registry import load_target
     from dspark_jax.drafters.checkpoint import save_drafter
     from dspark_jax.training.config import config_to_dict
-    from dspark_jax.training.trainer import Trainer, check_run_folder
+    from dspark_jax.training.trainer import Trainer, barrier, check_run_folder
 
     folder = dict(resume=args.resume, overwrite=args.overwrite, allow_schedule_change=args.allow_schedule_change)
     check_run_folder(cfg, **folder)  # before loading anything: fit checks again, then writes
@@ -51,11 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(cfg, target)
     state = trainer.fit(progress=not args.no_progress, **folder)
     trainer.close()
-    if jax.process_index() == 0:
+    params = trainer.host_params(state)  # every process takes part; process 0 writes
+    if runtime.is_primary():
         out = os.path.join(cfg.run.out_dir, "drafter")
-        save_drafter(out, trainer.dcfg, jax.device_get(state.params),
+        save_drafter(out, trainer.dcfg, params,
                      metadata={"train_config": config_to_dict(cfg), "steps": int(state.step)})
         print(f"drafter written to {out}")
+    barrier("dspark-drafter-written")  # the run is over on every process once its drafter exists
     return 0
 
 
