@@ -1,0 +1,453 @@
+"""What one training step of a config needs per device, from shapes alone (no weights loaded).
+
+`training_plan(cfg, num_devices, target)` resolves the config's mesh for `num_devices` (a -1 axis
+takes the remaining devices, as `sharding.make_mesh` does), shards every parameter with the same
+table the trainer uses (`sharding.LOGICAL_TO_MESH` through `sharding.logical_spec`: the drafter's
+axes from `trainer.drafter_logical_axes`, the target's from `decoder.param_logical_axes`; a
+dimension the mesh axis does not divide stays replicated) and adds up, per device:
+
+* drafter params: fp32 master weights (both drafter kinds are initialised in float32);
+* optimizer state: optax AdamW (`trainer.make_optimizer`) keeps two fp32 moments per parameter,
+  sharded like the parameter (the clip and the step counters are scalars);
+* gradients: fp32, one copy (two with `optim.grad_accum > 1`: the running sum in the scan carry
+  and the micro-batch's own);
+* drafter params in `run.compute_dtype`: the step casts them (bf16 on TPU) and keeps the copy for
+  the backward pass;
+* the frozen target: `train` loads it in float32 (`registry.load_target`'s default) and the
+  trainer puts ALL of it on the devices, sharded like a decoding target (stacked layer layout, the
+  accelerator default), whether or not the features come from a cache: the drafter uses the
+  target's embedding and LM head in every step. The step casts it to the compute dtype
+  (`trainer.target_feature_inputs`): a second, transient copy;
+* the batch: the int32 token-level fields [rows, seq_len], plus, with `data.feature_cache`, the
+  cached bf16 features of ALL `grad_accum` micro-batches (2 (m + 1) d bytes per token);
+* activations of one micro-batch (the gradient accumulation is a scan: one micro-batch at a time;
+  there is no rematerialisation, `jax.checkpoint`, in the trainer, so the backward pass keeps every
+  draft layer's residuals). An ESTIMATE, per row of the micro-batch on this device:
+  saved for the backward pass: the fc input and output, per draft layer the context keys/values,
+  the block tokens' residual stream, q/k/v, the attention output, the MLP's three
+  intermediate-size tensors and the attention probabilities [heads, blocks x gamma, seq_len +
+  gamma] (fp32 softmax plus the compute-dtype copy the value einsum reads), and the vocabulary-wide
+  fp32 arrays of the loss (log q; with a TV term also q, p and sign(q - p)); plus the largest
+  transient of the step: the target's forward pass (online features: the fp32 taps and last hidden
+  state, one layer's dense [heads, seq_len, seq_len] scores and probabilities and its MLP), one
+  draft layer's attention gradients, or the loss's logits and their gradients. Tensors with a
+  heads / kv_heads / mlp / vocab dimension are divided by the tensor axis when it divides them
+  (the weights' sharding propagates to them); the residual stream is replicated across it.
+
+FLOPs per step count what the step computes, padding included (the shapes are fixed): the drafter's
+matmuls over blocks_per_row x block_size block slots per row (forward + backward = 3 x forward for
+a matmul whose weights and input both need gradients, 2 x for the frozen LM head and for fc, whose
+input is a constant), its attention over the row's seq_len context keys plus the block's own (the
+masked keys are computed too), the target's LM head at the block slots (forward only), and with
+online features the target's forward over every token (2 x matmul params x tokens plus its dense
+seq_len^2 attention). `step_seconds = flops / (devices x peak x mfu)`; the MFU is an assumption,
+not a measurement.
+
+Shapes-only target: `target_model_config(spec)` reads a Hugging Face folder's config.json, a GGUF
+file's (or a known name's) metadata, or, for a folder that is not there yet (configs/*_qwen3-8b.yaml
+point at checkpoints/Qwen3-8B), the public config.json shapes in `serving.hardware.TARGETS`, by
+folder name. Pass a `ModelConfig` to `training_plan` to skip that.
+
+`python -m dspark_jax.training.plan --config FILE --accelerator-type v5p-8 [key=value ...]` prints it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+
+from dspark_jax.core.errors import UserError
+from dspark_jax.distributed.sharding import MESH_AXES, is_spec, logical_spec
+from dspark_jax.models.config import ModelConfig
+from dspark_jax.training.config import TrainConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+INT_FIELDS = 4  # tokens, positions, segment_ids, loss_mask: int32 [rows, seq_len] each
+DEFAULT_MFU = 0.4  # an assumption, not a measurement
+
+# Chips of a Cloud TPU slice from its accelerator type: v4 and v5p names count TensorCores (two
+# per chip), v5e (v5litepod) and v6e names count chips. -> (hardware.ACCELERATORS key, divisor).
+_TPU_FAMILIES = {"v4": (None, 2), "v5p": ("tpu-v5p", 2), "v5litepod": (None, 1), "v5e": (None, 1),
+                 "v6e": ("tpu-v6e", 1)}
+
+
+def tpu_chips(accelerator_type: str) -> tuple[int, str | None]:
+    """(chips, hardware.ACCELERATORS key or None) of an accelerator type such as v5p-8 (4 chips) or
+    v6e-8 (8 chips)."""
+    m = re.fullmatch(r"(v4|v5p|v5litepod|v5e|v6e)-(\d+)", accelerator_type.strip().lower())
+    if not m:
+        raise UserError(f"unknown TPU accelerator type {accelerator_type!r} (e.g. v5p-8, v6e-8, v5litepod-16, v4-32)")
+    key, per_chip = _TPU_FAMILIES[m[1]]
+    cores = int(m[2])
+    if cores % per_chip or cores == 0:
+        raise UserError(f"{accelerator_type}: {m[1]} slices come in multiples of {per_chip}")
+    return cores // per_chip, key
+
+
+def resolve_mesh(mesh: tuple[int, int, int], num_devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) sizes of `run.mesh` on `num_devices` devices, as `sharding.make_mesh`
+    resolves them (-1 = the remaining devices; the mesh may leave devices unused)."""
+    if num_devices < 1:
+        raise UserError(f"the plan needs at least one device, got {num_devices}")
+    sizes = list(mesh)
+    if sizes.count(-1) > 1:
+        raise UserError("at most one mesh axis may be -1")
+    if -1 in sizes:
+        known = math.prod(s for s in sizes if s != -1)
+        sizes[sizes.index(-1)] = max(1, num_devices // known)
+    if math.prod(sizes) > num_devices or min(sizes) < 1:
+        raise UserError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, {num_devices} available")
+    return tuple(sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class _MeshShape:
+    """The part of a jax Mesh that `sharding.logical_spec` reads: its axis sizes."""
+    shape: dict
+
+
+def _per_device(mesh: _MeshShape, axes, shape) -> int:
+    """Elements of one device's shard of an array with these logical axes."""
+    spec = logical_spec(mesh, axes, shape)
+    split = 1
+    for entry in spec:
+        for a in ((entry,) if isinstance(entry, str) else tuple(entry or ())):
+            split *= mesh.shape[a]
+    return math.prod(shape) // split
+
+
+def _tree_sizes(mesh: _MeshShape, axes_tree, shapes_tree) -> tuple[int, int]:
+    """(total elements, elements on one device) of a parameter tree."""
+    import jax
+
+    pairs = jax.tree.leaves(jax.tree.map(lambda axes, shape: (math.prod(shape), _per_device(mesh, axes, shape)),
+                                         axes_tree, shapes_tree, is_leaf=is_spec),
+                            is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and all(isinstance(v, int) for v in x))
+    return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+
+
+# ------------------------------------------------------------------------------------------------
+# The target's shapes without its weights
+
+
+def target_model_config(spec: str) -> tuple[str, ModelConfig, str]:
+    """(name, ModelConfig, where the shapes came from) of a --target spec, reading no weights."""
+    from dspark_jax.checkpoints import registry
+
+    config_json = os.path.join(spec, "config.json")
+    if os.path.isdir(spec) and os.path.exists(config_json):
+        from dspark_jax.checkpoints.hf import read_json
+        from dspark_jax.models.config import config_from_hf
+
+        return os.path.basename(os.path.normpath(spec)), config_from_hf(read_json(config_json), source=config_json), config_json
+    if spec in registry.KNOWN_TARGETS or (os.path.isfile(spec) and spec.endswith(".gguf")):
+        from dspark_jax.checkpoints import gguf
+
+        name, path = registry.resolve_target_path(spec)
+        reader = gguf.open_gguf(path)
+        loaders = gguf._tensor_loaders(reader, path)  # lazy: only rope_freqs (Llama 3) is ever read
+        return name, gguf.config_from_gguf(gguf.gguf_metadata(reader), loaders, source=path), f"{path} (GGUF metadata)"
+    from dspark_jax.serving.hardware import TARGETS
+
+    key = os.path.basename(os.path.normpath(spec)).lower()
+    if key in TARGETS:
+        t = TARGETS[key]
+        family = "qwen3" if key.startswith("qwen3") else "llama"
+        cfg = ModelConfig(family=family, vocab_size=t.vocab_size, hidden_size=t.hidden_size, num_layers=t.num_layers,
+                          num_heads=t.num_heads, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim,
+                          intermediate_size=t.intermediate_size, max_position_embeddings=40960 if family == "qwen3" else 8192,
+                          rms_norm_eps=1e-6 if family == "qwen3" else 1e-5,
+                          rope_theta=1_000_000.0 if family == "qwen3" else 100000.0,
+                          tie_word_embeddings=t.tie_word_embeddings, qk_norm=family == "qwen3")
+        return os.path.basename(os.path.normpath(spec)), cfg, f"the {t.name} shapes of {t.source} (serving.hardware.TARGETS)"
+    raise UserError(f"cannot read the shapes of target {spec!r}: no config.json there and no known shapes for "
+                    f"{key!r}; give a Hugging Face config.json (only that file is needed)")
+
+
+# ------------------------------------------------------------------------------------------------
+# The plan
+
+
+def _shard(size: int, split: int) -> int:
+    """The divisor a tensor axis of `split` devices applies to a dimension of `size` (1 when it does not divide)."""
+    return split if split > 1 and size % split == 0 else 1
+
+
+def training_plan(cfg: TrainConfig, num_devices: int, target: ModelConfig | None = None, *,
+                  target_name: str | None = None, target_dtype: str = "float32", layout: str = "stacked",
+                  accelerator: str | None = None, mfu: float = DEFAULT_MFU) -> dict:
+    """Per-device memory, FLOPs and tokens of one training step of `cfg` on `num_devices` devices.
+
+    target: the frozen target's ModelConfig (shapes only); None reads it with `target_model_config`
+    (cfg.target). target_dtype: the dtype the target's params are stored in on the devices ("float32":
+    what `train` loads). layout: the target's layer layout ("stacked": accelerators; "per_layer":
+    CPU). accelerator: a `serving.hardware.ACCELERATORS` key (e.g. "tpu-v5p") to add HBM per chip,
+    whether it fits and a step time at `mfu` of the chip's bf16 peak. All sizes are bytes (ints)."""
+    import jax
+
+    from dspark_jax.drafters import dspark, eagle3
+    from dspark_jax.models import decoder
+    from dspark_jax.training.trainer import drafter_logical_axes
+
+    source = "given"
+    if target is None:
+        target_name, target, source = target_model_config(cfg.target)
+    target_name = target_name or os.path.basename(os.path.normpath(cfg.target))
+    if target_dtype not in DTYPE_BYTES:
+        raise UserError(f"unknown target dtype {target_dtype!r} (one of {', '.join(DTYPE_BYTES)})")
+    dcfg = cfg.drafter_config(target, target_name)
+    dcfg.check_target(target, target_name)
+    sizes = resolve_mesh(cfg.run.mesh, num_devices)
+    data, fsdp, tensor = sizes
+    mesh = _MeshShape(dict(zip(MESH_AXES, sizes)))
+    cd = DTYPE_BYTES[cfg.run.compute_dtype]
+    td = DTYPE_BYTES[target_dtype]
+
+    # --- parameters, exactly as the trainer shards them
+    init = eagle3.init_eagle3_params if dcfg.kind == "eagle3" else dspark.init_drafter_params
+    abstract = jax.eval_shape(lambda key: init(dcfg, key), jax.random.key(0))
+    shapes = jax.tree.map(lambda a: tuple(a.shape), abstract)
+    drafter_params, drafter_local = _tree_sizes(mesh, drafter_logical_axes(abstract), shapes)
+    target_params, target_local = _tree_sizes(mesh, decoder.param_logical_axes(target, layout),
+                                              decoder.param_shapes(target, layout))
+
+    # --- the batch
+    R, accum = cfg.data.rows, cfg.optim.grad_accum
+    S, NB, g = cfg.data.seq_len, cfg.data.blocks_per_row, dcfg.block_size
+    dp = data * fsdp  # the "batch" axis: (data, fsdp)
+    step_rows = R * accum
+    dp_split = _shard(step_rows, dp)
+    rows_dev = math.ceil(R / dp_split)  # rows of one micro-batch on one device
+    cached = bool(cfg.data.feature_cache)
+    m, d = len(dcfg.target_layer_ids), dcfg.hidden_size
+    batch_bytes = (step_rows // dp_split) * (INT_FIELDS * 4 * S + NB * 5)
+    feature_bytes = (step_rows // dp_split) * S * 2 * (m + 1) * d if cached else 0
+
+    shapes_cfg = dict(H=dcfg.num_heads, Hkv=dcfg.num_kv_heads, D=dcfg.head_dim, f=dcfg.intermediate_size,
+                      V=dcfg.vocab_size, d=d, m=m)
+    th = _shard(dcfg.num_heads * dcfg.head_dim, tensor)
+    tkv = _shard(dcfg.num_kv_heads * dcfg.head_dim, tensor)
+    tf = _shard(dcfg.intermediate_size, tensor)
+    tv = _shard(dcfg.vocab_size, tensor)
+    if dcfg.kind == "eagle3":
+        acts, flops = _eagle3_row(cfg, dcfg, S, NB, cd, th, tkv, tf, tv)
+    else:
+        acts, flops = _dspark_row(cfg, dcfg, S, NB, g, cd, th, tkv, tf, tv)
+    tgt_flops, tgt_transient = _target_row(target, S, m, cached, td, tensor)  # activations in the load dtype too
+    per_row = acts["saved"] + max(acts["transient"], tgt_transient)
+    activation_bytes = rows_dev * per_row
+
+    memory = {
+        "drafter_params": drafter_local * 4,
+        "optimizer_state": 2 * drafter_local * 4,
+        "gradients": (2 if accum > 1 else 1) * drafter_local * 4,
+        "drafter_params_compute": drafter_local * cd if cd != 4 else 0,
+        "target_params": target_local * td,
+        "target_params_compute": target_local * cd if cd != td else 0,
+        "batch": batch_bytes + feature_bytes,
+        "activations": activation_bytes,
+    }
+    memory["total"] = sum(memory.values())
+    drafter_flops = step_rows * sum(flops.values())
+    target_flops = step_rows * tgt_flops
+    plan = {
+        "target": {"name": target_name, "shapes_from": source, "params": target_params, "dtype": target_dtype,
+                   "layout": layout, **{k: getattr(target, k) for k in ("num_layers", "hidden_size", "vocab_size")}},
+        "drafter": {"kind": dcfg.kind, "num_layers": dcfg.num_layers, "block_size": g, "head": dcfg.head,
+                    "params": drafter_params, "params_per_device": drafter_local, **shapes_cfg},
+        "num_devices": num_devices,
+        "mesh": dict(zip(MESH_AXES, sizes)),
+        "devices_used": math.prod(sizes),
+        "compute_dtype": cfg.run.compute_dtype,
+        "features": "cache" if cached else "online",
+        "batch": {"rows_per_micro_batch": R, "grad_accum": accum, "rows_per_step": step_rows,
+                  "rows_per_device": rows_dev, "seq_len": S, "blocks_per_row": NB,
+                  "tokens_per_step": step_rows * S, "block_slots_per_step": step_rows * NB * g,
+                  "batch_replicated": dp > 1 and dp_split == 1},
+        "memory_per_device": memory,
+        "activation_bytes_per_row": per_row,
+        "flops_per_step": {**{k: step_rows * v for k, v in flops.items()}, "target_forward": target_flops,
+                           "total": drafter_flops + target_flops},
+    }
+    if accelerator is not None:
+        plan["accelerator"] = accelerator_estimate(plan, accelerator, mfu)
+    return plan
+
+
+def _dspark_row(cfg: TrainConfig, dcfg, S: int, NB: int, g: int, cd: int, th: int, tkv: int, tf: int, tv: int):
+    """(activation bytes {"saved", "transient"}, FLOPs by part) of one packed row, DSpark / DFlash."""
+    L, d, H, Hkv, D, f, V = (dcfg.num_layers, dcfg.hidden_size, dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim,
+                             dcfg.intermediate_size, dcfg.vocab_size)
+    m, r, T = len(dcfg.target_layer_ids), dcfg.markov_rank, NB * g  # T: block slots of a row
+    q, kv = H * D, Hkv * D
+    layer_matmul = d * (q + 2 * kv) + q * d + 3 * d * f
+    keys = S + g  # a block query's keys: the row's context and the block's own slots
+    vocab_saved = 1 + (3 if cfg.loss.tv > 0 else 0)
+    per_layer = (4 * S * kv / tkv * cd  # context keys (projected, normed, rotated) and values
+                 + 4 * T * d * cd  # the block's residual stream and its two norms
+                 + (3 * T * q / th + 4 * T * kv / tkv + T * q / th) * cd  # q, k, v (three stages each), attention output
+                 + 3 * T * f / tf * cd  # gate, up, act(gate) * up
+                 + H / th * T * keys * (4 + cd))  # softmax probabilities (fp32) and their compute-dtype copy
+    saved = (S * m * d * cd + 2 * S * d * cd  # fc input (the taps) and output (before / after its norm)
+             + L * per_layer + 2 * T * d * cd  # final norm
+             + vocab_saved * T * V / tv * 4  # the loss's fp32 vocabulary-wide arrays
+             + (T * r * cd if dcfg.uses_markov_table else 0))
+    transient = max(2 * H / th * T * keys * 4,  # one draft layer's score and probability gradients
+                    3 * T * V / tv * 4)  # base, draft and target logits (or their gradients) at once
+    flops = {
+        "drafter_fc": 2 * (2 * S * m * d * d),  # forward + weight gradient (the taps are constants)
+        "drafter_context_kv": 3 * L * 2 * S * d * 2 * kv,
+        "drafter_layers": 3 * L * 2 * T * layer_matmul,  # = 6 x layer params x block slots
+        "drafter_attention": 3 * L * 4 * T * keys * q,  # q k^T and p v
+        "drafter_lm_head": 2 * 2 * T * d * V,  # the frozen head: forward + input gradient
+        "drafter_head": (3 * 2 * T * r * V if dcfg.uses_markov_table else 0)  # Markov bias W1[prev] W2
+        + (3 * 2 * T * (2 * r + d) * 3 * r if dcfg.head == "rnn" else 0),
+        "target_lm_head": 2 * T * d * V,  # the target's distribution at the block slots (no gradient)
+    }
+    return {"saved": int(saved), "transient": int(transient)}, flops
+
+
+def _eagle3_row(cfg: TrainConfig, dcfg, S: int, NB: int, cd: int, th: int, tkv: int, tf: int, tv: int):
+    """(activation bytes, FLOPs by part) of one row for Eagle3: `ttt_steps` passes over the whole
+    row, LM heads at every position or (ttt_at_anchors) at the anchors only. Coarser than DSpark's."""
+    K, L, d, H, Hkv, D, f, V = (dcfg.ttt_steps, dcfg.num_layers, dcfg.hidden_size, dcfg.num_heads,
+                                dcfg.num_kv_heads, dcfg.head_dim, dcfg.intermediate_size, dcfg.vocab_size)
+    m, q, kv = len(dcfg.target_layer_ids), H * D, Hkv * D
+    N = NB if dcfg.ttt_at_anchors else S  # supervised positions per pass
+    layer_matmul = 2 * d * (q + 2 * kv) + q * d + 3 * d * f  # q/k/v read [embedding; feature]
+    keys = K * S + K * (K - 1) // 2  # over the passes: the context plus the chain so far
+    per_pass = L * (6 * S * d * cd + (3 * S * q / th + 6 * S * kv / tkv) * cd + 3 * S * f / tf * cd) \
+        + L * H / th * S * (S + K) * (4 + cd) + 2 * N * V / tv * 4
+    saved = S * m * d * cd + S * d * cd + K * per_pass
+    transient = max(2 * H / th * S * (S + K) * 4, 3 * N * V / tv * 4)
+    flops = {
+        "drafter_fc": 2 * (2 * S * m * d * d),
+        "drafter_layers": 3 * K * L * 2 * S * layer_matmul,
+        "drafter_attention": 3 * L * 4 * S * keys * q,
+        "drafter_lm_head": 2 * K * 2 * N * d * V,
+        "target_lm_head": 2 * (N * K if dcfg.ttt_at_anchors else S) * d * V,
+    }
+    return {"saved": int(saved), "transient": int(transient)}, flops
+
+
+def _target_row(target: ModelConfig, S: int, m: int, cached: bool, ab: int, tensor: int) -> tuple[int, int]:
+    """(forward FLOPs, transient activation bytes) of the frozen target over one packed row; (0, 0)
+    with cached features. Its activations are in the target's own dtype (float32 in `train`)."""
+    if cached:
+        return 0, 0
+    L, d, H, Hkv, D, f = (target.num_layers, target.hidden_size, target.num_heads, target.num_kv_heads,
+                          target.head_dim, target.intermediate_size)
+    q, kv = H * D, Hkv * D
+    layer_matmul = d * (q + 2 * kv) + q * d + 3 * d * f
+    flops = L * (2 * S * layer_matmul + 4 * S * S * q)  # dense masked attention: every [S, S] score is computed
+    th, tkv, tf = _shard(q, tensor), _shard(kv, tensor), _shard(f, tensor)
+    features = (m + 1) * S * d * ab  # the taps and the last hidden state, kept for the drafter
+    layer = (S * S * (2 * 4 * H / th + 1)  # fp32 scores and probabilities, the visibility mask
+             + S * (4 * d + q / th + 2 * kv / tkv + 3 * f / tf) * ab)
+    return int(flops), int(features + layer)
+
+
+def accelerator_estimate(plan: dict, accelerator: str, mfu: float = DEFAULT_MFU) -> dict:
+    """HBM per chip, whether the plan's total fits, and a step time at `mfu` of the chip's bf16 peak."""
+    from dspark_jax.serving.hardware import ACCELERATORS
+
+    if accelerator not in ACCELERATORS:
+        raise UserError(f"unknown accelerator {accelerator!r} (known: {', '.join(sorted(ACCELERATORS))})")
+    if not 0 < mfu <= 1:
+        raise UserError(f"mfu must be in (0, 1], got {mfu}")
+    chip = ACCELERATORS[accelerator]
+    used = plan["devices_used"]
+    seconds = plan["flops_per_step"]["total"] / (used * chip.peak_flops * mfu)
+    fixed = plan["memory_per_device"]["total"] - plan["memory_per_device"]["activations"]
+    return {"name": chip.name, "key": accelerator, "hbm_bytes": int(chip.hbm_bytes), "peak_flops": chip.peak_flops,
+            "mfu": mfu, "mfu_is_assumed": True, "fits": plan["memory_per_device"]["total"] <= chip.hbm_bytes,
+            # rows of a micro-batch one device could hold next to everything else (no margin for XLA's own buffers)
+            "max_rows_per_device": max(0, int((chip.hbm_bytes - fixed) // plan["activation_bytes_per_row"])),
+            "step_seconds": seconds, "tokens_per_second": plan["batch"]["tokens_per_step"] / seconds,
+            "source": chip.source}
+
+
+# ------------------------------------------------------------------------------------------------
+# Text
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.2f} GB"
+
+
+def format_plan(plan: dict) -> str:
+    """The plan as a short text report (decimal GB; FLOPs in PFLOP, TFLOP or GFLOP)."""
+    t, dr, b, mem, fl = plan["target"], plan["drafter"], plan["batch"], plan["memory_per_device"], plan["flops_per_step"]
+    mesh = plan["mesh"]
+    lines = [
+        f"target {t['name']}: {t['params'] / 1e9:.2f}B params ({t['dtype']}, shapes from {t['shapes_from']})",
+        f"drafter {dr['kind']} ({dr['num_layers']} layers, gamma {dr['block_size']}, head {dr['head']}): "
+        f"{dr['params']:,} trainable params, {dr['params_per_device']:,} per device",
+        f"mesh data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']} on {plan['devices_used']} of "
+        f"{plan['num_devices']} devices; compute {plan['compute_dtype']}; target features {plan['features']}",
+        f"batch: {b['rows_per_step']} rows x {b['seq_len']} tokens per step ({b['grad_accum']} micro-batch(es) of "
+        f"{b['rows_per_micro_batch']}; {b['rows_per_device']} row(s) per device per micro-batch"
+        + (", REPLICATED: the rows do not divide over the batch axes" if b["batch_replicated"] else "") + ")",
+        f"tokens per step {b['tokens_per_step']:,}; block slots per step {b['block_slots_per_step']:,}",
+        "memory per device:",
+    ]
+    labels = {"drafter_params": "drafter params (fp32)", "optimizer_state": "AdamW moments (fp32)",
+              "gradients": "gradients (fp32)", "drafter_params_compute": f"drafter params ({plan['compute_dtype']} copy)",
+              "target_params": f"target params ({t['dtype']})", "target_params_compute":
+              f"target params ({plan['compute_dtype']} copy, transient)", "batch": "batch (+ cached features)",
+              "activations": "activations (estimate, one micro-batch)", "total": "total"}
+    for k, label in labels.items():
+        lines.append(f"  {label:<44} {_gb(mem[k]):>14}")
+    scale, unit = next((s, u) for s, u in ((1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"), (1, "FLOP"))
+                       if fl["total"] >= s or s == 1)
+    lines.append(f"FLOPs per step: {fl['total'] / scale:,.2f} {unit} (drafter "
+                 f"{(fl['total'] - fl['target_forward']) / scale:,.2f}, target forward {fl['target_forward'] / scale:,.2f})")
+    acc = plan.get("accelerator")
+    if acc:
+        lines.append(f"{acc['name']}: {_gb(acc['hbm_bytes'])} HBM per chip -> "
+                     f"{'fits' if acc['fits'] else 'DOES NOT FIT'} (room for {acc['max_rows_per_device']} row(s) "
+                     f"per device per micro-batch); at {acc['mfu']:.0%} MFU (assumed) of "
+                     f"{acc['peak_flops'] / 1e12:.0f} TFLOP/s bf16: {acc['step_seconds']:,.1f} s/step, "
+                     f"{acc['tokens_per_second']:,.0f} tokens/s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dspark_jax.core.cli import ArgumentParser, run_cli, flag
+    from dspark_jax.training.config import load_config
+
+    @run_cli
+    def run(argv):
+        p = ArgumentParser(prog="python -m dspark_jax.training.plan", description=__doc__.split("\n")[0])
+        p.add_argument("--config", required=True)
+        p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.grad_accum=16")
+        where = p.add_mutually_exclusive_group(required=True)
+        where.add_argument("--devices", type=flag(int, ge=1), help="number of devices")
+        where.add_argument("--accelerator-type", help="a Cloud TPU slice, e.g. v5p-8 (4 chips) or v6e-8 (8 chips)")
+        p.add_argument("--accelerator", help="chip for HBM and step time (serving.hardware.ACCELERATORS key, "
+                                             "e.g. tpu-v5p); default: from --accelerator-type")
+        p.add_argument("--target-config", help="the target's config.json (when cfg.target is not on this machine)")
+        p.add_argument("--mfu", type=flag(float, gt=0, le=1), default=DEFAULT_MFU, help="assumed model FLOP utilisation")
+        p.add_argument("--json", action="store_true")
+        args = p.parse_args(argv)
+        cfg = load_config(args.config, args.overrides)
+        devices, chip = (args.devices, None) if args.devices else tpu_chips(args.accelerator_type)
+        target = name = None
+        if args.target_config:
+            from dspark_jax.checkpoints.hf import read_json
+            from dspark_jax.models.config import config_from_hf
+
+            target = config_from_hf(read_json(args.target_config), source=args.target_config)
+        plan = training_plan(cfg, devices, target, target_name=name, accelerator=args.accelerator or chip, mfu=args.mfu)
+        print(json.dumps(plan, indent=1) if args.json else format_plan(plan))
+        return 0
+
+    return run(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,335 @@
+"""The training plan (dspark_jax/training/plan.py): exact parameter counts and sharded bytes against
+the real initialised drafter and the trainer's own shardings, hand-computed FLOPs, and plausible
+Qwen3-8B numbers on v5p-8 / v6e-8 (relationships, not magic numbers)."""
+
+import json
+import os
+import shlex
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from dspark_jax.distributed import sharding
+from dspark_jax.drafters import dspark, eagle3
+from dspark_jax.models import decoder
+from dspark_jax.models.config import ModelConfig
+from dspark_jax.training import plan as planmod
+from dspark_jax.training.config import DataConfig, OptimConfig, RunConfig, TrainConfig, load_config
+from dspark_jax.training.trainer import drafter_logical_axes, make_optimizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QWEN3_8B = os.path.join(ROOT, "configs", "dspark_qwen3-8b.yaml")
+
+# A tiny Qwen3-shaped target: every dimension a tensor axis of 2 or 4 divides, none that 3 does.
+TARGET = ModelConfig(family="qwen3", vocab_size=128, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+                     head_dim=16, intermediate_size=128, max_position_embeddings=256, qk_norm=True)
+DRAFTER = dict(kind="dspark", num_layers=2, block_size=4, head="markov", markov_rank=8, confidence=True,
+               mask_token_id=3, target_layer_ids=(0, 1))
+
+
+def tiny(mesh=(-1, 1, 1), rows=4, accum=1, compute="bfloat16", drafter=None, **data) -> TrainConfig:
+    data = dict(dict(train_dir="data/x", rows=rows, seq_len=32, blocks_per_row=4, anchors_per_seq=2), **data)
+    return TrainConfig(target="tiny", drafter=dict(DRAFTER, **(drafter or {})), data=DataConfig(**data),
+                       optim=OptimConfig(grad_accum=accum), run=RunConfig(mesh=mesh, compute_dtype=compute))
+
+
+def leaves_size(tree) -> int:
+    return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(tree))
+
+
+def test_param_counts_are_the_initialised_drafters():
+    cfg = tiny()
+    p = planmod.training_plan(cfg, 1, TARGET)
+    dcfg = cfg.drafter_config(TARGET, "tiny")
+    real = dspark.init_drafter_params(dcfg, jax.random.key(0))
+    assert p["drafter"]["params"] == leaves_size(real)
+    d, f, q, kv, V, r, L = 64, 128, 64, 32, 128, 8, 2
+    layer = 2 * d + d * q + 2 * d * kv + q * d + 3 * d * f + 2 * 16  # norms, q k v o, gate up down, q/k norms
+    by_hand = 2 * d * d + 2 * d + L * layer + 2 * V * r + (d + r) + 1  # fc, hidden/final norm, layers, Markov, confidence
+    assert p["drafter"]["params"] == by_hand
+    assert p["target"]["params"] == leaves_size(decoder.init_params(TARGET, jax.random.key(0)))
+    # Eagle3: the same, through its own initialiser
+    e3 = tiny(drafter=dict(kind="eagle3", num_layers=1, head="none", markov_rank=0, confidence=False))
+    e3_real = eagle3.init_eagle3_params(e3.drafter_config(TARGET, "tiny"), jax.random.key(0))
+    assert planmod.training_plan(e3, 1, TARGET)["drafter"]["params"] == leaves_size(e3_real)
+
+
+def test_bytes_on_one_device_by_hand():
+    n_draft = planmod.training_plan(tiny(), 1, TARGET)["drafter"]["params"]
+    n_target = planmod.training_plan(tiny(), 1, TARGET)["target"]["params"]
+    mem = planmod.training_plan(tiny(), 1, TARGET)["memory_per_device"]
+    assert mem["drafter_params"] == 4 * n_draft  # fp32 master weights
+    assert mem["optimizer_state"] == 2 * 4 * n_draft  # AdamW: two fp32 moments
+    assert mem["gradients"] == 4 * n_draft
+    assert mem["drafter_params_compute"] == 2 * n_draft  # the bf16 copy the step computes with
+    assert mem["target_params"] == 4 * n_target and mem["target_params_compute"] == 2 * n_target
+    assert mem["batch"] == 4 * (4 * 4 * 32 + 4 * 5)  # 4 rows: 4 int32 [32] fields, 4 blocks' start + valid
+    assert mem["total"] == sum(v for k, v in mem.items() if k != "total")
+    accum = planmod.training_plan(tiny(accum=2), 1, TARGET)["memory_per_device"]
+    assert accum["gradients"] == 2 * mem["gradients"]  # the scan's running sum + a micro-batch's gradients
+    assert accum["activations"] == mem["activations"]  # one micro-batch at a time
+    f32 = planmod.training_plan(tiny(compute="float32"), 1, TARGET)["memory_per_device"]
+    assert f32["drafter_params_compute"] == 0 and f32["target_params_compute"] == 0
+    bf16_target = planmod.training_plan(tiny(), 1, TARGET, target_dtype="bfloat16")["memory_per_device"]
+    assert bf16_target["target_params"] == 2 * n_target and bf16_target["target_params_compute"] == 0
+
+
+def test_flops_and_tokens_by_hand():
+    cfg = tiny(rows=4, accum=2)
+    p = planmod.training_plan(cfg, 1, TARGET)
+    rows, S, NB, g = 8, 32, 4, 4
+    d, f, q, kv, V, r, L, m = 64, 128, 64, 32, 128, 8, 2, 2
+    layer_matmul = d * q + 2 * d * kv + q * d + 3 * d * f
+    fl = p["flops_per_step"]
+    assert p["batch"]["tokens_per_step"] == rows * S and p["batch"]["block_slots_per_step"] == rows * NB * g
+    assert fl["drafter_layers"] == 6 * L * layer_matmul * rows * NB * g  # the 6 x params x tokens rule
+    assert fl["drafter_attention"] == 3 * L * 4 * (NB * g) * (S + g) * q * rows
+    assert fl["drafter_lm_head"] == 4 * rows * NB * g * d * V and fl["target_lm_head"] == 2 * rows * NB * g * d * V
+    assert fl["drafter_head"] == 6 * rows * NB * g * r * V
+    assert fl["drafter_fc"] == 4 * rows * S * m * d * d
+    assert fl["target_forward"] == rows * TARGET.num_layers * (2 * S * layer_matmul + 4 * S * S * q)
+    assert fl["total"] == sum(v for k, v in fl.items() if k != "total")
+    cached = planmod.training_plan(tiny(rows=4, accum=2, feature_cache="cache/x"), 1, TARGET)
+    assert cached["features"] == "cache" and cached["flops_per_step"]["target_forward"] == 0
+    assert cached["flops_per_step"]["total"] == fl["total"] - fl["target_forward"]
+    # all micro-batches' cached features sit on the device: 2 (m + 1) d bytes per token
+    assert cached["memory_per_device"]["batch"] - p["memory_per_device"]["batch"] == rows * S * 2 * (m + 1) * d
+    assert cached["memory_per_device"]["activations"] < p["memory_per_device"]["activations"]
+
+
+def per_device_elements(mesh, axes, shapes) -> int:
+    shards = sharding.tree_shardings(mesh, axes, shapes)
+    return sum(int(np.prod(s.shard_shape(shape))) for s, shape in
+               zip(jax.tree.leaves(shards), jax.tree.leaves(shapes, is_leaf=sharding.is_spec)))
+
+
+@pytest.mark.needs_devices(4)
+@pytest.mark.parametrize("mesh", [(1, 1, 4), (1, 2, 2), (2, 2, 1), (1, 4, 1), (4, 1, 1)])
+def test_sharded_bytes_are_the_trainers_shardings(mesh):
+    """The plan's per-device sizes equal the shard shapes of the NamedShardings the Trainer builds."""
+    cfg = tiny(mesh=mesh)
+    dcfg = cfg.drafter_config(TARGET, "tiny")
+    p = planmod.training_plan(cfg, 4, TARGET)
+    real_mesh = sharding.make_mesh(*mesh)
+    abstract = jax.eval_shape(lambda k: dspark.init_drafter_params(dcfg, k), jax.random.key(0))
+    shapes = jax.tree.map(lambda a: a.shape, abstract)
+    assert p["drafter"]["params_per_device"] == per_device_elements(real_mesh, drafter_logical_axes(abstract), shapes)
+    assert p["memory_per_device"]["target_params"] == 4 * per_device_elements(
+        real_mesh, decoder.param_logical_axes(TARGET), decoder.param_shapes(TARGET))
+    # the optimizer state, sharded as Trainer.__init__ shards it
+    p_sh = sharding.tree_shardings(real_mesh, drafter_logical_axes(abstract), shapes)
+    optimizer = make_optimizer(cfg)
+    opt = jax.eval_shape(optimizer.init, abstract)
+    replicated = NamedSharding(real_mesh, PartitionSpec())
+    opt_sh = optax.tree_utils.tree_map_params(optimizer, lambda _, s: s, opt, p_sh,
+                                              transform_non_params=lambda _: replicated)
+    opt_bytes = sum(int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize
+                    for a, s in zip(jax.tree.leaves(opt), jax.tree.leaves(opt_sh))
+                    if np.issubdtype(a.dtype, np.floating))  # not the int32 step counters
+    assert p["memory_per_device"]["optimizer_state"] == opt_bytes
+    assert p["batch"]["rows_per_device"] == 4 // (mesh[0] * mesh[1])
+
+
+def test_sharding_shrinks_bytes_as_the_axes_say():
+    one = planmod.training_plan(tiny(), 1, TARGET)
+    t4 = planmod.training_plan(tiny(mesh=(1, 1, 4)), 4, TARGET)
+    f4 = planmod.training_plan(tiny(mesh=(1, 4, 1)), 4, TARGET)
+    d4 = planmod.training_plan(tiny(mesh=(4, 1, 1)), 4, TARGET)
+    for name in ("drafter_params", "optimizer_state", "gradients", "target_params"):
+        base = one["memory_per_device"][name]
+        assert d4["memory_per_device"][name] == base  # data parallel replicates the weights
+        assert base / 4 <= t4["memory_per_device"][name] < base  # norms, fc and the confidence head stay whole
+        assert base / 4 <= f4["memory_per_device"][name] < base
+    # the target's big matrices all have a tensor-sharded axis: close to a quarter
+    assert t4["memory_per_device"]["target_params"] < 0.3 * one["memory_per_device"]["target_params"]
+    # rows split over the batch axes (data, fsdp), never over tensor
+    assert d4["batch"]["rows_per_device"] == f4["batch"]["rows_per_device"] == 1
+    assert t4["batch"]["rows_per_device"] == 4
+    assert d4["memory_per_device"]["activations"] == one["memory_per_device"]["activations"] / 4
+    assert t4["memory_per_device"]["activations"] < one["memory_per_device"]["activations"]
+    # FLOPs per step do not depend on the mesh
+    assert t4["flops_per_step"] == one["flops_per_step"] == d4["flops_per_step"]
+    # an axis that divides nothing replicates (3 divides no dimension of TARGET)
+    t3 = planmod.training_plan(tiny(mesh=(1, 1, 3)), 3, TARGET)
+    assert t3["memory_per_device"]["target_params"] == one["memory_per_device"]["target_params"]
+    assert t3["drafter"]["params_per_device"] == one["drafter"]["params_per_device"]
+    # rows that do not divide over the batch axes: the trainer replicates the batch
+    odd = planmod.training_plan(tiny(mesh=(4, 1, 1), rows=3), 4, TARGET)
+    assert odd["batch"]["batch_replicated"] and odd["batch"]["rows_per_device"] == 3
+
+
+def test_mesh_resolution_follows_make_mesh():
+    assert planmod.resolve_mesh((-1, 1, 4), 4) == (1, 1, 4)
+    assert planmod.resolve_mesh((-1, 1, 4), 8) == (2, 1, 4)
+    with pytest.raises(Exception, match="needs 4 devices, 2 available"):
+        planmod.resolve_mesh((-1, 1, 4), 2)
+    assert planmod.resolve_mesh((2, -1, 1), 8) == (2, 4, 1)
+    assert planmod.resolve_mesh((1, 1, 1), 8) == (1, 1, 1)
+    p = planmod.training_plan(tiny(mesh=(2, 1, 1)), 8, TARGET)
+    assert p["devices_used"] == 2 and p["num_devices"] == 8
+
+
+def test_tpu_chips():
+    assert planmod.tpu_chips("v5p-8") == (4, "tpu-v5p")  # v5p names count TensorCores, two per chip
+    assert planmod.tpu_chips("v6e-8") == (8, "tpu-v6e")  # v6e names count chips
+    assert planmod.tpu_chips("v5litepod-16") == (16, None)
+    assert planmod.tpu_chips("v4-32") == (16, None)
+    with pytest.raises(Exception, match="unknown TPU accelerator type"):
+        planmod.tpu_chips("v9x-8")
+
+
+def qwen3_plan(accelerator_type: str, *overrides: str, **kw) -> dict:
+    chips, chip = planmod.tpu_chips(accelerator_type)
+    return planmod.training_plan(load_config(QWEN3_8B, list(overrides)), chips, accelerator=chip, **kw)
+
+
+V5P = ("data.rows=4", "optim.grad_accum=128")  # launch/README.md's v5p-8 settings
+V6E = ("data.rows=2", "optim.grad_accum=256", "run.mesh=[1,1,8]")  # and v6e-8's
+
+
+def test_qwen3_8b_is_plausible_on_v5p_8_and_v6e_8():
+    p = qwen3_plan("v5p-8")  # the config as shipped: 512 rows in one micro-batch
+    assert p["target"]["shapes_from"].startswith("the Qwen3-8B shapes")  # no checkpoint on this machine
+    assert 8.0e9 < p["target"]["params"] < 8.4e9  # Qwen3-8B: 8.19B with its untied LM head
+    assert 1.0e9 < p["drafter"]["params"] < 1.3e9  # 5 layers shaped like the target's, fc, Markov rank 256
+    assert p["mesh"] == {"data": 1, "fsdp": 1, "tensor": 4} and p["devices_used"] == 4
+    mem = p["memory_per_device"]
+    # the fp32 target over 4-way tensor parallelism: about a quarter of 8.19B x 4 bytes
+    assert 0.24 < mem["target_params"] / (4 * p["target"]["params"]) < 0.27
+    assert not p["accelerator"]["fits"]  # 512 rows of 4096 tokens do not fit: hence grad_accum
+    assert p["batch"]["tokens_per_step"] == 512 * 4096
+    v5p = qwen3_plan("v5p-8", *V5P)
+    assert v5p["accelerator"]["fits"] and v5p["batch"]["rows_per_step"] == 512
+    assert v5p["memory_per_device"]["total"] < 0.75 * 95e9  # room left for XLA's own buffers
+    assert v5p["accelerator"]["max_rows_per_device"] >= 4
+    assert v5p["flops_per_step"] == p["flops_per_step"]  # the same global batch, the same work
+    v6e = qwen3_plan("v6e-8", *V6E)
+    assert v6e["mesh"] == {"data": 1, "fsdp": 1, "tensor": 8}
+    assert v6e["accelerator"]["fits"] and v6e["memory_per_device"]["total"] < 0.75 * 32e9
+    # twice the tensor axis, half the target (up to the norms, which stay whole)
+    assert 0.5 < v6e["memory_per_device"]["target_params"] / v5p["memory_per_device"]["target_params"] < 0.501
+    # 8 chips of twice the peak: a quarter of the step time (same FLOPs, same assumed MFU)
+    assert v6e["flops_per_step"] == v5p["flops_per_step"]
+    assert v6e["accelerator"]["step_seconds"] == pytest.approx(v5p["accelerator"]["step_seconds"] / 4)
+    # the default mesh on v6e-8 (2-way data x 4-way tensor) with one row per device also fits
+    assert qwen3_plan("v6e-8", "data.rows=2", "optim.grad_accum=256")["accelerator"]["fits"]
+    # online features: the frozen target's forward is the larger part of a step
+    fl = v5p["flops_per_step"]
+    assert fl["target_forward"] > fl["total"] - fl["target_forward"]
+    assert 5e15 < fl["total"] - fl["target_forward"] < 5e16  # the drafter: ~6 x 1.1B x 1.8M block slots plus heads
+
+
+def test_launch_readme_quotes_the_plan():
+    """launch/README.md shows format_plan's output for its two settings verbatim."""
+    readme = open(os.path.join(ROOT, "launch", "README.md")).read()
+    for accelerator_type, overrides in (("v5p-8", V5P), ("v6e-8", V6E)):
+        text = planmod.format_plan(qwen3_plan(accelerator_type, *overrides))
+        assert text in readme, f"launch/README.md lacks the plan for {accelerator_type}:\n{text}"
+        command = shlex.join(["python", "-m", "dspark_jax.training.plan", "--config", "configs/dspark_qwen3-8b.yaml",
+                              "--accelerator-type", accelerator_type, *overrides])
+        assert command in readme
+
+
+def test_target_shapes_without_weights(tmp_path):
+    name, cfg, source = planmod.target_model_config("smollm2-135m")  # GGUF metadata only
+    assert (cfg.hidden_size, cfg.num_layers, cfg.vocab_size, cfg.tie_word_embeddings) == (576, 30, 49152, True)
+    assert "GGUF metadata" in source
+    folder = tmp_path / "Qwen3-8B"  # a folder holding only config.json wins over the shape table
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "vocab_size": 1000, "max_position_embeddings": 4096, "tie_word_embeddings": False}))
+    name, cfg, source = planmod.target_model_config(str(folder))
+    assert (name, cfg.hidden_size, cfg.num_layers) == ("Qwen3-8B", 256, 8) and source.endswith("config.json")
+    name, cfg, source = planmod.target_model_config(str(tmp_path / "elsewhere" / "Qwen3-8B"))  # not there: the table
+    assert (cfg.hidden_size, cfg.num_layers, cfg.intermediate_size) == (4096, 36, 12288)
+    with pytest.raises(Exception, match="cannot read the shapes of target"):
+        planmod.target_model_config(str(tmp_path / "mystery-model"))
+
+
+def test_cli(capsys):
+    assert planmod.main(["--config", QWEN3_8B, "--accelerator-type", "v5p-8", *V5P]) == 0
+    out = capsys.readouterr().out
+    assert "mesh data=1 fsdp=1 tensor=4 on 4 of 4 devices" in out and "fits" in out
+    assert planmod.main(["--config", QWEN3_8B, "--devices", "8", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["mesh"] == {"data": 2, "fsdp": 1, "tensor": 4} and "accelerator" not in p
+    assert planmod.main(["--config", QWEN3_8B, "--accelerator-type", "v9-8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown TPU accelerator type") and err.count("\n") == 1
+    assert planmod.main(["--config", QWEN3_8B, "--devices", "2"]) == 2  # [-1, 1, 4] needs 4
+    assert "needs 4 devices, 2 available" in capsys.readouterr().err
+
+
+def test_cli_reads_a_target_config(tmp_path, capsys):
+    hf = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096, "intermediate_size": 12288,
+          "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+          "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert planmod.main(["--config", QWEN3_8B, "--accelerator-type", "v5p-8", "--target-config",
+                         str(tmp_path / "config.json"), "--json", *V5P]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["target"]["shapes_from"] == "given"
+    assert p["memory_per_device"] == qwen3_plan("v5p-8", *V5P)["memory_per_device"]  # the same shapes as the table
+
+
+# ---- against XLA's own accounting of the compiled train step (CPU)
+
+SMALL = ModelConfig(family="qwen3", vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
+                    head_dim=32, intermediate_size=512, max_position_embeddings=4096, qk_norm=True)
+
+
+def compiled_step(cfg: TrainConfig, target: ModelConfig, layout: str):
+    """The trainer's jitted step for cfg, compiled from shapes alone (nothing allocated)."""
+    import jax.numpy as jnp
+
+    from dspark_jax.training.trainer import TrainState, make_train_step
+
+    dcfg = cfg.drafter_config(target, "t")
+    optimizer = make_optimizer(cfg)
+    init = eagle3.init_eagle3_params if dcfg.kind == "eagle3" else dspark.init_drafter_params
+    params = jax.eval_shape(lambda k: init(dcfg, k), jax.random.key(0))
+    state = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(optimizer.init, params))
+    target_params = jax.eval_shape(lambda k: decoder.with_layout(decoder.init_params(target, k), target, layout),
+                                   jax.random.key(0))
+    B, S, NB = cfg.data.rows * cfg.optim.grad_accum, cfg.data.seq_len, cfg.data.blocks_per_row
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    batch = dict(tokens=i32(B, S), positions=i32(B, S), segment_ids=i32(B, S), loss_mask=i32(B, S),
+                 block_start=i32(B, NB), block_valid=jax.ShapeDtypeStruct((B, NB), jnp.bool_))
+    if cfg.data.feature_cache:
+        m, d = len(dcfg.target_layer_ids), target.hidden_size
+        batch.update(ctx_features=jax.ShapeDtypeStruct((B, S, m * d), jnp.bfloat16),
+                     target_last_hidden=jax.ShapeDtypeStruct((B, S, d), jnp.bfloat16))
+    return jax.jit(make_train_step(cfg, dcfg, target, optimizer)).lower(state, target_params, batch).compile()
+
+
+EAGLE3 = dict(kind="eagle3", num_layers=1, head="none", markov_rank=0, confidence=False, ttt_steps=3)
+
+
+@pytest.mark.parametrize("cache,drafter", [(None, {}), ("cache/x", {}), (None, EAGLE3),
+                                           (None, dict(EAGLE3, ttt_at_anchors=True))],
+                         ids=["dspark-online", "dspark-cached", "eagle3", "eagle3-at-anchors"])
+def test_flops_agree_with_xlas_count(cache, drafter):
+    """XLA counts a scan's body once, so: one draft layer, the target in the per-layer (unrolled)
+    layout, one micro-batch. Then the plan's FLOPs are XLA's to within a few percent."""
+    cfg = tiny(rows=4, compute="float32", seq_len=256, blocks_per_row=32, anchors_per_seq=8, feature_cache=cache,
+               drafter=dict(dict(num_layers=1), **drafter))
+    cost = compiled_step(cfg, SMALL, "per_layer").cost_analysis()
+    xla = (cost[0] if isinstance(cost, list) else cost)["flops"]
+    plan = planmod.training_plan(cfg, 1, SMALL)["flops_per_step"]
+    assert (plan["target_forward"] == 0) == bool(cache)
+    assert plan["total"] == pytest.approx(xla, rel=0.05)
+
+
+def test_activation_estimate_is_the_size_of_xlas_buffers():
+    """XLA's temporary buffers of the compiled step (activations, gradients, the compute-dtype
+    copies) against the plan's estimate of the same: the same size, the plan on the high side."""
+    cfg = tiny(rows=4, compute="bfloat16", seq_len=512, blocks_per_row=64, anchors_per_seq=8)
+    temp = compiled_step(cfg, SMALL, "stacked").memory_analysis().temp_size_in_bytes
+    mem = planmod.training_plan(cfg, 1, SMALL)["memory_per_device"]
+    estimate = mem["activations"] + mem["gradients"] + mem["drafter_params_compute"] + mem["target_params_compute"]
+    assert 0.9 * temp < estimate < 1.6 * temp
