@@ -5,6 +5,7 @@ TPU_WORKER_ID, so the detached-run wrapping is exercised for real. No network, n
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -204,8 +205,6 @@ def test_setup_defaults_to_the_jax_of_pyproject_or_the_local_python(fake, tmp_pa
     import jax
 
     text = open(os.path.join(ROOT, "pyproject.toml")).read()
-    import re
-
     pin = re.search(r'"jax(\[[a-z_,]+\])? *== *([0-9][0-9a-z.]*)"', text)
     expected = pin[2] if pin else jax.__version__
     wheel = tmp_path / "dspark_jax-9.9-py3-none-any.whl"
@@ -262,10 +261,10 @@ def test_run_status_logs_on_two_workers(fake):
         assert shlex.split((run_dir / "command").read_text()) == [sys.executable, "-c", script, "a b", "it's"]
     p = fake.run("status.sh", "dspark", "--zone", ZONE, "--run", "r1", FAKE_WORKERS="2")
     assert p.stdout.splitlines()[0] == "TPU dspark: READY"
-    assert f"worker 0: finished, exit status 0 | hello from 0 1 ['a b', \"it's\"]" in p.stdout
-    assert f"worker 1: finished, exit status 0 | hello from 1 1 ['a b', \"it's\"]" in p.stdout
+    assert "worker 0: finished, exit status 0 | hello from 0 1 ['a b', \"it's\"]" in p.stdout
+    assert "worker 1: finished, exit status 0 | hello from 1 1 ['a b', \"it's\"]" in p.stdout
     p = fake.run("logs.sh", "dspark", "--zone", ZONE, "--run", "r1", "--lines", "1", FAKE_WORKERS="2")
-    assert p.stdout.splitlines()[1:] == [f"hello from 0 1 ['a b', \"it's\"]"]  # worker 0 by default, its last line
+    assert p.stdout.splitlines()[1:] == ["hello from 0 1 ['a b', \"it's\"]"]  # worker 0 by default, its last line
     p = fake.run("logs.sh", "dspark", "--zone", ZONE, "--run", "r1", "--worker", "all", FAKE_WORKERS="2")
     assert p.stdout.count("==> ") == 2 and "hello from 1" in p.stdout
     calls = fake.calls()
@@ -370,7 +369,7 @@ def test_dry_run_of_setup_run_status_logs_stop(fake):
         lines = [shlex.split(line) for line in p.stdout.splitlines()]
         assert lines[-1][:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "dspark"], script
         assert lines[-1][7] == ("--worker=0" if script == "logs.sh" else "--worker=all")
-        assert command_of(lines[-1]) == command_of(lines[-1])  # one --command
+        assert "dir=~/dspark_runs/r1" in command_of(lines[-1])
     assert fake.calls() == []
 
 
@@ -425,3 +424,22 @@ def test_scripts_are_strict_bash():
             assert text.startswith("#!/usr/bin/env bash\n") and 'source "$(dirname "$0")/common.sh"' in text, script
             assert os.access(os.path.join(LAUNCH, script), os.X_OK), script
     assert "set -euo pipefail" in open(os.path.join(LAUNCH, "common.sh")).read()
+
+
+def test_readme_dry_runs_are_what_the_scripts_print(fake):
+    """Every `$ launch/... --dry-run` example in launch/README.md shows the scripts' real output."""
+    lines = open(os.path.join(LAUNCH, "README.md")).read().splitlines()
+    examples = 0
+    for i, line in enumerate(lines):
+        if line.startswith("$ launch/") and line.endswith("--dry-run"):
+            shown = []
+            for out in lines[i + 1:]:
+                if out.startswith("```"):
+                    break
+                shown.append(out)
+            script, *args = shlex.split(line[2:])
+            p = subprocess.run([os.path.join(ROOT, script), *args], env=fake.env, capture_output=True, text=True,
+                               timeout=60)
+            assert p.returncode == 0 and p.stdout.splitlines() == shown, line
+            examples += 1
+    assert examples >= 1 and fake.calls() == []
