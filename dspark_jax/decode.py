@@ -6,6 +6,12 @@ from a `{"messages": [...]}` line) unless --raw is given, decoded with continuou
 fixed batches instead), and printed readably or, with --json, as one JSON object per prompt in input
 order followed by a summary object. --output FILE.jsonl appends each result as it completes and
 makes the same command resumable: prompts already in the file are skipped.
+
+Several processes (the multi-process flags, `dspark_jax.distributed.runtime`) run one decode
+together, each started with the same command: with `--layout data` (the default) each decodes its
+own share of the prompts on its own devices and process 0 gathers the results; with `--layout
+tensor` the target's weights are split over every process's devices and all run the whole batch.
+Either way process 0 alone prints, writes --output and reports the summary.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import json
 import sys
 
 from dspark_jax.core.cli import NON_NEGATIVE_INT, POSITIVE_INT, ArgumentParser, flag, run_cli, setting_flag
+from dspark_jax.distributed import gather, runtime
 from dspark_jax.engine import offline
 
 
@@ -71,6 +78,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per prompt in input order, then a summary object; no progress bar")
+    p.add_argument("--layout", default="data", choices=offline.LAYOUTS,
+                   help="how several processes (or one process's devices) share the work: data = each process "
+                        "decodes its own share of the prompts on one device of its own, process 0 gathers the "
+                        "results; tensor = one mesh over every device of every process, the target's weights split "
+                        "over it (tensor parallel), every process decoding the whole batch")
+    runtime.add_distributed_flags(p)
     return p.parse_args(argv)
 
 
@@ -79,6 +92,8 @@ def summary_line(s: dict) -> str:
         return f"nothing to decode: all {s['requests']} requests are already in {s['output']}"
     line = (f"{s['decoded']} requests, {s['generated_tokens']} tokens in {s['wall_s']:.2f} s: "
             f"{s['aggregate_tokens_per_s']:.1f} tokens/s aggregate")
+    if s.get("processes", 1) > 1:
+        line += f" ({s['processes']} processes, {s['layout']} layout)"
     if "mean_acceptance_length" in s:
         line += f", mean tau {s['mean_acceptance_length']:.2f}"
     if "speedup" in s:
@@ -92,8 +107,12 @@ def summary_line(s: dict) -> str:
 @run_cli
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    runtime.initialize(args)  # before anything touches devices
+    gather.protect_stdout()
     summary = offline.decode_prompts(args)
-    print(json.dumps({"summary": summary}, ensure_ascii=False) if args.json else summary_line(summary), flush=True)
+    if gather.is_primary():
+        print(json.dumps({"summary": summary}, ensure_ascii=False) if args.json else summary_line(summary),
+              flush=True)
     return 0
 
 

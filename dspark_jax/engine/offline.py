@@ -17,6 +17,7 @@ import sys
 
 from dspark_jax.core.errors import UserError
 from dspark_jax.data.prompt_files import PromptRecord, prompt_text, read_prompt_records
+from dspark_jax.distributed import gather
 
 DEFAULT_MAX_BATCH = 8
 # Continuous batching runs prompts in groups of equal KV-cache length (shortest first), since with
@@ -86,7 +87,8 @@ class Speculative:
         return speculative_generate(t.params, t.config, self.dparams, self.dcfg, batch,
                                     max_new_tokens=self.args.max_new_tokens, cfg=self.config(batch, sampling),
                                     temperatures=self.loaded.sts_temperatures, seed=seed,
-                                    progress=not self.args.json if progress is None else progress)
+                                    progress=(not self.args.json and gather.is_primary()) if progress is None
+                                    else progress)
 
     def serve(self, prompts, sampling, seed, *, slots: int, on_finish=None, on_progress=None):
         from dspark_jax.engine.speculative import speculative_serve
@@ -123,7 +125,7 @@ def sps_table(args, target, dcfg, dparams, gamma, max_len, buckets):
     target it is a large part of a round (a table profiled at 512 positions overstates what extra
     verify tokens cost at 256)."""
     from dspark_jax.engine.speculative import profile_verify
-    from dspark_jax.engine.sps import device_kind, load_sps_table, save_sps_table
+    from dspark_jax.engine.sps import SPSTable, device_kind, load_sps_table, save_sps_table
     from dspark_jax.models import decoder
 
     # The draft cost is part of a round: the table belongs to the drafter's shape as well as the target's.
@@ -136,16 +138,29 @@ def sps_table(args, target, dcfg, dparams, gamma, max_len, buckets):
                                           f"{device_kind().replace(' ', '_')}_b{args.batch_size}_g{gamma}_kv{max_len}.json")
     if path in _TABLES:
         return _TABLES[path]
-    if os.path.exists(path) and not args.profile_sps:
-        _TABLES[path] = load_sps_table(path, device=device_kind(), model=model, buckets=buckets)
+
+    def stored() -> dict | None:  # the table on disk, or None to profile one
+        if os.path.exists(path) and not args.profile_sps:
+            return load_sps_table(path, device=device_kind(), model=model, buckets=buckets).to_json()
+        if args.sps_table and not args.profile_sps:
+            raise UserError(f"no SPS table at {args.sps_table} (add --profile-sps to measure one)")
+        return None
+
+    # Under the tensor layout every process runs the same sharded program, so all must plan with
+    # one table: process 0's (read by it alone; profiling is a collective, timed on every process).
+    shared = layout_of_run(args) == "tensor" and gather.process_count() > 1
+    found = gather.on_primary(stored) if shared else stored()
+    if found is not None:
+        _TABLES[path] = SPSTable.from_json(found)
         return _TABLES[path]
-    if args.sps_table and not args.profile_sps:
-        raise UserError(f"no SPS table at {args.sps_table} (add --profile-sps to measure one)")
-    if not args.json:
+    if not args.json and gather.is_primary():
         print(f"profiling a round (draft + verify) for {len(buckets)} token buckets ...", file=sys.stderr)
     table = profile_verify(target.params, target.config, dcfg, rows=args.batch_size, gamma=gamma, max_len=max_len,
                            model=model, dparams=dparams)
-    save_sps_table(path, table)
+    if shared:
+        table = SPSTable.from_json(gather.broadcast_json(table.to_json()))
+    if gather.is_primary() or not shared:  # data layout: each process its own devices' (atomic writes)
+        save_sps_table(path, table)
     _TABLES[path] = table
     return table
 
@@ -556,11 +571,74 @@ def resolve(args, count: int) -> str:
     return target_name
 
 
+# ----------------------------------------------------------------------------- processes
+
+LAYOUTS = ("data", "tensor")
+
+
+def layout_of_run(args) -> str:
+    """--layout: "data" (each process decodes its own share of the prompts; with one process, the
+    plain single-device run) or "tensor" (one mesh over every process's devices, the target's
+    weights split over its tensor axis, every process running the whole batch)."""
+    return getattr(args, "layout", None) or "data"
+
+
+def shard_target(target) -> None:
+    """The tensor layout: the target's params placed on one (data=1, fsdp=1, tensor=all devices)
+    mesh spanning every process, as `distributed.sharding` maps their logical axes (a dimension
+    the tensor axis does not divide stays whole). The jitted engine then runs on the sharded
+    params as they are: XLA inserts the collectives, and every process gets the same tokens."""
+    import jax
+
+    from dspark_jax.distributed import sharding
+    from dspark_jax.models import decoder
+
+    mesh = sharding.make_mesh(tensor=-1)
+    shardings = sharding.param_shardings(mesh, target.config, decoder.layout_of(target.params))
+    target.params = jax.device_put(target.params, shardings)
+
+
+TOTALS = ("wall_s", "compile_s", "tokens", "rounds", "tau_sum")
+
+
+def no_totals() -> dict:
+    return {"wall_s": 0.0, "compile_s": 0.0, "tokens": 0, "rounds": 0, "tau_sum": 0}
+
+
+def combined_totals(totals: dict, layout: str) -> tuple[dict, list[float]]:
+    """The run's totals over every process, and each process's wall seconds. The wall and compile
+    time are the slowest process's (they ran side by side, and the run ends with the last);
+    under the data layout the counts add up, under the tensor layout every process decoded the
+    same tokens, so they are process 0's."""
+    every = gather.allgather_json({k: totals[k] for k in TOTALS})
+    walls = [t["wall_s"] for t in every]
+    out = dict(every[0]) if layout == "tensor" else {k: sum(t[k] for t in every) for k in ("tokens", "rounds",
+                                                                                           "tau_sum")}
+    out.update(wall_s=max(walls), compile_s=max(t["compile_s"] for t in every))
+    return out, walls
+
+
+def check_complete(indices: list[int], todo: list[Request]) -> None:
+    """Every request decoded exactly once over all processes (a broken split would show here)."""
+    want = sorted(r.index for r in todo)
+    if sorted(indices) != want:
+        missing = sorted(set(want) - set(indices))
+        extra = sorted(i for i in set(indices) if indices.count(i) > 1 or i not in set(want))
+        raise RuntimeError(f"the processes returned {len(indices)} results for {len(want)} requests "
+                           f"(missing {missing[:10]}, duplicated or unknown {extra[:10]})")
+
+
 def decode_prompts(args) -> dict:
     """Everything `python -m dspark_jax.decode` does between parsing and the summary: read and select
     the prompts, check what can be checked before the target's weights load, resume from --output,
     decode the rest (results reported as they complete) and, with --compare-ar, plain decoding too.
-    Returns the summary object."""
+    Returns the summary object.
+
+    In a multi-process run every process calls this with the same arguments. Process 0 alone reads
+    and writes --output (it tells the others which prompts are done) and reports results; under the
+    data layout each process decodes its share of the remaining prompts and process 0 gathers the
+    others' records at the end, under the tensor layout every process decodes all of them with the
+    target split over every device."""
     records = read_inputs(args)
     requests = select(args, records)
 
@@ -569,35 +647,67 @@ def decode_prompts(args) -> dict:
 
     # Everything that can be checked without the target's weights is checked before they load.
     target_name = resolve(args, len(requests))
+    layout, processes, primary = layout_of_run(args), gather.process_count(), gather.is_primary()
     output = None
-    if args.output:
-        output = ResultsFile(args.output, generation_settings(args, target_name),
-                             [prompt_sha256(r) for r in records])
+
+    def open_output() -> list[int]:  # process 0 only: the prompts already done
+        nonlocal output
+        output = ResultsFile(args.output, generation_settings(args, target_name), [prompt_sha256(r) for r in records])
+        return sorted(i for i in output.records if requests[0].index <= i <= requests[-1].index)
+
     try:
-        done = {} if output is None else {i: r for i, r in output.records.items()
-                                          if requests[0].index <= i <= requests[-1].index}
+        done_indices = gather.on_primary(open_output) if args.output else []
+        done = {i: output.records[i] if output is not None else None for i in done_indices}
         todo = [r for r in requests if r.index not in done]
-        totals = {"wall_s": 0.0, "compile_s": 0.0, "tokens": 0, "rounds": 0, "tau_sum": 0}
-        ar = speculative = None
-        if not todo:
-            reporter = Reporter(args, [r.index for r in requests], done, output, 0)
-        else:
+        totals, ar, speculative, reporter = no_totals(), None, None, None
+        walls = [0.0] * processes
+        if todo:
             target = registry.load_target(args.target, dtype=args.dtype)
-            tokenize(args, target, todo)
+            if layout == "tensor":
+                shard_target(target)
+            tokenize(args, target, todo)  # all of them on every process: an error is the same everywhere
+            mine = gather.share(todo) if layout == "data" else todo
             speculative = None if args.drafter == "none" else load_speculative(args, target)
             sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
             seed = args.seed if not done else derived_seed(args.seed, "resume", len(done))
+            if layout == "data" and gather.process_index() > 0:  # its own random numbers
+                seed = derived_seed(seed, "process", gather.process_index())
             if output is not None:
                 output.start()
-            reporter = Reporter(args, [r.index for r in requests], done, output, len(todo))
+            if primary:
+                reporter = Reporter(args, [r.index for r in requests], done, output, len(todo))
+            local: list[dict] = []  # the records this process made (for process 0, under the data layout)
 
             def on_result(request, ids, stats):
-                reporter.result(make_record(request, ids, stats, target, args.max_batch), stats)
+                record = make_record(request, ids, stats, target, args.max_batch)
+                if reporter is not None:
+                    reporter.result(record, stats)
+                local.append(record)
 
-            totals = run_engine(args, target, speculative, todo, sampling, seed, on_result, reporter.progress)
+            if mine:
+                totals = run_engine(args, target, speculative, mine, sampling, seed, on_result,
+                                    None if reporter is None else reporter.progress)
             if args.compare_ar and speculative is not None:
-                ar = run_engine(args, target, None, todo, sampling, seed)
-        reporter.close()
+                ar = run_engine(args, target, None, mine, sampling, seed) if mine else no_totals()
+            if layout == "data" and processes > 1:
+                # process 0 gathers the others' records (it has its own) and reports them; every
+                # process checks that all were decoded once, so a failure stops them all alike
+                every = gather.allgather_json({"indices": [r["index"] for r in local],
+                                               "records": [] if primary else local})
+                check_complete([i for part in every for i in part["indices"]], todo)
+                for record in [record for part in every[1:] for record in part["records"]] if primary else []:
+                    rounds = record.get("rounds", 0)
+                    reporter.result(record, {"rounds": rounds, "tau_sum": record.get("acceptance_length", 1.0) * rounds})
+            else:
+                check_complete([r["index"] for r in local], todo)
+            if processes > 1:
+                totals, walls = combined_totals(totals, layout)
+                if ar is not None:
+                    ar, _ = combined_totals(ar, layout)
+        elif primary:
+            reporter = Reporter(args, [r.index for r in requests], done, output, 0)
+        if reporter is not None:
+            reporter.close()
     finally:
         if output is not None:
             output.close()
@@ -607,10 +717,14 @@ def decode_prompts(args) -> dict:
                "aggregate_tokens_per_s": round(totals["tokens"] / totals["wall_s"], 2) if totals["wall_s"] else None,
                "batching": args.batching, "max_batch": args.max_batch, "target": target_name,
                "drafter": args.drafter, "output": args.output}
+    if processes > 1:  # aggregate tokens/s above: every process's tokens over the slowest one's wall time
+        summary.update(processes=processes, layout=layout, process_wall_s=[round(w, 4) for w in walls])
+    elif layout != "data":
+        summary["layout"] = layout
     if speculative is not None:
         summary.update(scheduler=args.scheduler, gamma=args.gamma, rounds=totals["rounds"],
                        mean_acceptance_length=round(totals["tau_sum"] / totals["rounds"], 4) if totals["rounds"] else 1.0)
-    if ar is not None:
+    if ar is not None and ar["wall_s"]:
         summary.update(ar_wall_s=round(ar["wall_s"], 4),
                        ar_aggregate_tokens_per_s=round(ar["tokens"] / ar["wall_s"], 2),
                        speedup=round((totals["tokens"] / totals["wall_s"]) / (ar["tokens"] / ar["wall_s"]), 3))
