@@ -4,6 +4,8 @@
         --split train --out data/smollm2-train [--limit N] [--max-new-tokens 512]
 
 The plan, the resumability and the output format are described in `dspark_jax.data.datagen`.
+With the multi-process flags (`dspark_jax.distributed.runtime`) several processes share the
+shards, each generating every N-th one; process 0 writes the manifest.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 
 from dspark_jax.core.cli import POSITIVE_INT, ArgumentParser, flag, run_cli, setting_flag
 from dspark_jax.core.errors import UserError
+from dspark_jax.distributed import gather, runtime
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -37,12 +40,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=flag(int, ge=0, lt=2**32), default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    runtime.add_distributed_flags(p)
     return p.parse_args(argv)
 
 
 @run_cli
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    runtime.initialize(args)  # before anything touches devices
+    gather.protect_stdout()
     from dspark_jax.data import datagen
     from dspark_jax.data.splits import SPLITS, parse_sets
 
@@ -65,9 +71,12 @@ def main(argv: list[str] | None = None) -> int:
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                          batch_size=args.batch_size, seed=args.seed, max_prompt_tokens=args.max_prompt_tokens,
                          progress=not args.quiet)
+    if not gather.is_primary():
+        return 0
     state = "complete" if m["complete"] else "incomplete"
+    processes = f", {gather.process_count()} processes" if gather.process_count() > 1 else ""
     print(f"{args.out}: {m['num_examples']}/{m['num_planned']} examples, {m['response_tokens']} response tokens, "
-          f"{len(m['shards'])}/{m['num_shards_planned']} shards ({state}, {time.perf_counter() - t0:.0f}s)",
+          f"{len(m['shards'])}/{m['num_shards_planned']} shards ({state}{processes}, {time.perf_counter() - t0:.0f}s)",
           file=sys.stderr)
     return 0
 

@@ -14,6 +14,14 @@ Plan and resumability. All prompts are sorted by (token length, id) and cut into
 a pure function of the settings, so a run that is interrupted and restarted produces exactly the
 shards an uninterrupted run would: on restart, shards already on disk are checked and skipped.
 
+Several processes (`python -m dspark_jax.datagen ... --num-processes N --process-id I
+--coordinator-address HOST:PORT`, the same command on each) share the plan: shard i is generated
+and written (atomically, its own file) by process i % N on its own devices, process 0 alone reads
+the old manifest and writes the new one once every process's shards are in. The shards and the
+manifest are those of a one-process run with the same settings (the shards byte for byte), and an
+interrupted run resumes with any number of processes. The folder must be one disk all processes
+share (or be merged afterwards).
+
 Output folder:
 * `shard-00000.npz` ... one per batch, written to a temporary name and `os.replace`d (never half
   written). Arrays (all plain dtypes; `np.load(path, allow_pickle=False)` works):
@@ -66,12 +74,25 @@ def write_shard(path: str, prompts: Sequence[Sequence[int]], responses: Sequence
                   finished=np.asarray(finished, bool), example_ids=np.asarray(list(example_ids), dtype=str))
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
-        np.savez(f, **arrays)
+        save_npz(f, arrays)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return dict(file=os.path.basename(path), num_examples=len(prompts), num_tokens=int(offsets[-1]),
                 response_tokens=int(sum(len(r) for r in responses)))
+
+
+def save_npz(f, arrays: dict[str, np.ndarray]) -> None:
+    """`np.savez(f, **arrays)` (the same .npz: uncompressed, zip64 .npy members), but every member
+    dated 1980-01-01 instead of now, so that the same arrays give the same bytes: a shard is then
+    byte for byte the same whichever run, or process, made it."""
+    import zipfile
+
+    with zipfile.ZipFile(f, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as z:
+        for key, value in arrays.items():
+            info = zipfile.ZipInfo(key + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
+            with z.open(info, "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asanyarray(value), allow_pickle=False)
 
 
 def read_shard(path: str) -> dict[str, np.ndarray]:
@@ -200,6 +221,7 @@ def generate_dataset(target, sets: Sequence[str], split: str, out: str, *, limit
     """
     from tqdm.auto import tqdm
 
+    from dspark_jax.distributed import gather
     from dspark_jax.engine.generate import generate
     from dspark_jax.engine.sampling import SamplingConfig
 
@@ -226,21 +248,37 @@ def generate_dataset(target, sets: Sequence[str], split: str, out: str, *, limit
         sampling=dict(temperature=temperature, top_k=top_k, top_p=top_p),
         max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens, seed=seed, batch_size=batch_size,
         split=split, sets=list(sets), limit=limit, stop_ids=[int(i) for i in target.tokenizer.eos_token_ids])
-    existing = _check_compatible(out, settings)
+    # Several processes: shard i is made (and its file written) by process i % processes, process
+    # 0 alone reads the old manifest and writes the new one, from every process's shard list.
+    processes, me, primary = gather.process_count(), gather.process_index(), gather.is_primary()
+    existing = gather.on_primary(lambda: _check_compatible(out, settings))
     examples, counts = plan_examples(target.tokenizer, sets, split, limit, max_prompt_tokens)
     batches = [examples[i: i + batch_size] for i in range(0, len(examples), batch_size)]
+    mine = [i for i in range(len(batches)) if i % processes == me]
     os.makedirs(out, exist_ok=True)
 
+    def resumed() -> list:  # this process's finished shards that match the plan
+        found = []
+        for index in mine:
+            path = os.path.join(out, shard_name(index))
+            if not os.path.exists(path):
+                continue
+            data = read_shard(path)
+            if [str(i) for i in data["example_ids"]] != [e.example_id for e in batches[index]]:
+                raise UserError(f"{path} does not match the plan of this run (different prompt files?); "
+                                "use another --out")
+            found.append((index, dict(file=shard_name(index), num_examples=len(batches[index]),
+                                      num_tokens=int(len(data["tokens"])),
+                                      response_tokens=int(len(data["tokens"]) - data["prompt_lens"].sum()))))
+        return found
+
     shards: dict[int, dict] = {}
-    for index, batch in enumerate(batches):  # resume: keep finished shards that match the plan
-        path = os.path.join(out, shard_name(index))
-        if not os.path.exists(path):
-            continue
-        data = read_shard(path)
-        if [str(i) for i in data["example_ids"]] != [e.example_id for e in batch]:
-            raise UserError(f"{path} does not match the plan of this run (different prompt files?); use another --out")
-        shards[index] = dict(file=shard_name(index), num_examples=len(batch), num_tokens=int(len(data["tokens"])),
-                             response_tokens=int(len(data["tokens"]) - data["prompt_lens"].sum()))
+
+    def collect(entries: list) -> None:  # every process's (index, entry) pairs into `shards`
+        for found in gather.allgather_json(entries):
+            shards.update((int(index), entry) for index, entry in found)
+
+    collect(gather.everywhere(resumed))
 
     def manifest() -> dict:
         done = {name: 0 for name in sets}
@@ -253,15 +291,17 @@ def generate_dataset(target, sets: Sequence[str], split: str, out: str, *, limit
                     num_planned=len(examples), num_tokens=sum(s["num_tokens"] for s in entries),
                     response_tokens=sum(s["response_tokens"] for s in entries), num_shards_planned=len(batches),
                     shards=entries, complete=len(shards) == len(batches),
-                    created=(existing or {}).get("created", time.strftime("%Y-%m-%dT%H:%M:%S")))
+                    created=(existing or {}).get("created", created))
 
-    write_json_atomic(os.path.join(out, MANIFEST), manifest())
+    created = gather.broadcast_json(time.strftime("%Y-%m-%dT%H:%M:%S"))  # one date for every process
+    if primary:
+        write_json_atomic(os.path.join(out, MANIFEST), manifest())
     sampling = SamplingConfig(temperature, top_k, top_p)
     stop_ids = tuple(target.tokenizer.eos_token_ids)
-    todo = [i for i in range(len(batches)) if i not in shards]
+    todo = [i for i in mine if i not in shards]
     bar = tqdm(total=len(examples), initial=sum(len(batches[i]) for i in shards), unit="prompt",
-               desc=f"datagen {split}", disable=not progress, dynamic_ncols=True, mininterval=5.0)
-    written, t0, new_tokens = 0, time.perf_counter(), 0
+               desc=f"datagen {split}", disable=not progress or not primary, dynamic_ncols=True, mininterval=5.0)
+    written, t0, new_tokens, made = 0, time.perf_counter(), 0, []
     for index in todo:
         if max_shards is not None and written >= max_shards:
             break
@@ -275,12 +315,20 @@ def generate_dataset(target, sets: Sequence[str], split: str, out: str, *, limit
         finished = [bool(r) and r[-1] in stop_ids for r in responses]
         shards[index] = write_shard(os.path.join(out, shard_name(index)), prompts, responses,
                                     [e.example_id for e in batch], finished)
-        write_json_atomic(os.path.join(out, MANIFEST), manifest())
+        made.append((index, shards[index]))
+        if primary:  # the others' new shards join the manifest at the end
+            write_json_atomic(os.path.join(out, MANIFEST), manifest())
         written += 1
         new_tokens += shards[index]["response_tokens"]
         bar.update(len(batch))
         elapsed = time.perf_counter() - t0
         bar.set_postfix(shard=f"{len(shards)}/{len(batches)}", tok_s=f"{new_tokens / elapsed:.0f}",
                         refresh=False)
+    if processes > 1:  # every process's shards are written (the gather waits for all): the manifest
+        known = set(shards)
+        collect(made)
+        bar.update(sum(len(batches[i]) for i in set(shards) - known))
+        if primary:
+            write_json_atomic(os.path.join(out, MANIFEST), manifest())
     bar.close()
     return manifest()
