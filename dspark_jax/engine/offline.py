@@ -583,11 +583,12 @@ def layout_of_run(args) -> str:
     return getattr(args, "layout", None) or "data"
 
 
-def shard_target(target) -> None:
+def shard_target(target) -> dict:
     """The tensor layout: the target's params placed on one (data=1, fsdp=1, tensor=all devices)
     mesh spanning every process, as `distributed.sharding` maps their logical axes (a dimension
     the tensor axis does not divide stays whole). The jitted engine then runs on the sharded
-    params as they are: XLA inserts the collectives, and every process gets the same tokens."""
+    params as they are: XLA inserts the collectives, and every process gets the same tokens.
+    Returns the mesh's shape."""
     import jax
 
     from dspark_jax.distributed import sharding
@@ -596,6 +597,7 @@ def shard_target(target) -> None:
     mesh = sharding.make_mesh(tensor=-1)
     shardings = sharding.param_shardings(mesh, target.config, decoder.layout_of(target.params))
     target.params = jax.device_put(target.params, shardings)
+    return dict(mesh.shape)
 
 
 TOTALS = ("wall_s", "compile_s", "tokens", "rounds", "tau_sum")
@@ -660,11 +662,11 @@ def decode_prompts(args) -> dict:
         done = {i: output.records[i] if output is not None else None for i in done_indices}
         todo = [r for r in requests if r.index not in done]
         totals, ar, speculative, reporter = no_totals(), None, None, None
-        walls = [0.0] * processes
+        walls, mesh = [0.0] * processes, None
         if todo:
             target = registry.load_target(args.target, dtype=args.dtype)
             if layout == "tensor":
-                shard_target(target)
+                mesh = shard_target(target)
             tokenize(args, target, todo)  # all of them on every process: an error is the same everywhere
             mine = gather.share(todo) if layout == "data" else todo
             speculative = None if args.drafter == "none" else load_speculative(args, target)
@@ -721,6 +723,8 @@ def decode_prompts(args) -> dict:
         summary.update(processes=processes, layout=layout, process_wall_s=[round(w, 4) for w in walls])
     elif layout != "data":
         summary["layout"] = layout
+    if mesh is not None:
+        summary["mesh"] = mesh
     if speculative is not None:
         summary.update(scheduler=args.scheduler, gamma=args.gamma, rounds=totals["rounds"],
                        mean_acceptance_length=round(totals["tau_sum"] / totals["rounds"], 4) if totals["rounds"] else 1.0)
