@@ -251,21 +251,26 @@ def test_continuous_batching_refills_slots_and_stays_lossless(policy):
 
 def test_sps_profile_times_the_draft_with_the_verify(monkeypatch):
     """With the drafter's params, every timed call runs the drafter's pass and the verify pass of
-    its bucket (SPS = 1 / round cost); without, the verify pass alone."""
+    its bucket (SPS = 1 / round cost); without, the verify pass alone. Then the plain step (the
+    verify pass of one token per row, no draft) is timed on its own and kept as plain_sps."""
     from dspark_jax.engine import sps as sps_module
     from dspark_jax.engine.speculative import Drafted, profile_verify
 
-    seen = {}
+    calls = []
 
     def fake_profile(step_fn, buckets, **kw):
-        seen["buckets"], seen["outputs"] = buckets, [step_fn(b) for b in buckets]
-        return SPSTable(tuple(buckets), tuple(1.0 for _ in buckets), model=kw["model"])
+        calls.append((buckets, [step_fn(b) for b in buckets]))
+        return SPSTable(tuple(buckets), tuple(float(len(calls)) for _ in buckets), model=kw.get("model", ""))
 
     monkeypatch.setattr(sps_module, "profile_sps", fake_profile)
     dcfg, dparams = drafter()
     table = profile_verify(TARGET, TCFG, dcfg, rows=2, gamma=4, max_len=32, model="m", dparams=dparams)
-    assert table.buckets == (1, 2, 4, 8, 10) and seen["buckets"] == (1, 2, 4, 8, 10)
-    for (drafted, (logits, _, _)), n in zip(seen["outputs"], seen["buckets"]):
+    (buckets, outputs), (plain_buckets, plain_outputs) = calls
+    assert table.buckets == (1, 2, 4, 8, 10) and buckets == (1, 2, 4, 8, 10)
+    for (drafted, (logits, _, _)), n in zip(outputs, buckets):
         assert isinstance(drafted, Drafted) and drafted.tokens.shape == (2, 4) and logits.shape[:2] == (2, 5)
+    assert plain_buckets == (2,) and table.plain_sps == 2.0  # the second call's value
+    assert all(len(out) == 3 and out[0].shape[:2] == (2, 5) for out in plain_outputs)  # no draft in a plain step
+    calls.clear()
     profile_verify(TARGET, TCFG, dcfg, rows=2, gamma=4, max_len=32, model="m")
-    assert all(out[0] is None for out in seen["outputs"])
+    assert all(out[0] is None for out in calls[0][1])

@@ -24,11 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from dspark_jax.core.config_checks import setting, validate
+from dspark_jax.core.config_checks import relation, setting, validate
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.engine import drafting
 from dspark_jax.engine import scheduler as S
 from dspark_jax.engine.acceptance import verify_greedy, verify_sampled
+from dspark_jax.engine.fallback import PlainStepGate
 from dspark_jax.engine.sps import SPSTable, pad_to_bucket
 from dspark_jax.engine.generate import GenerationResult, compiled, continuous_batching, pad_prompts, stop_mask
 from dspark_jax.models import decoder
@@ -50,6 +51,12 @@ class SpecConfig:
     # Verify over flattened tokens padded to one of these token buckets (cost follows the schedule;
     # the host picks the bucket between drafting and verification). None: padded [B, gamma+1].
     verify_buckets: tuple[int, ...] | None = setting(None, ge=1)
+    # Run plain target steps instead of rounds while drafts do not pay (engine/fallback.py).
+    plain_steps: bool = False
+
+    __relations__ = (relation("plain_steps verify_buckets", lambda plain_steps, verify_buckets:
+                              not plain_steps or verify_buckets is not None,
+                              "plain_steps needs verify_buckets (the plain step is a flattened verify pass)"),)
 
     def __post_init__(self):
         validate(self)
@@ -76,6 +83,7 @@ class RoundStats:
     num_draft: jax.Array  # [B] draft tokens verified
     accepted: jax.Array  # [B] draft tokens accepted (tau = accepted + 1)
     confidence_logits: jax.Array  # [B, gamma] raw confidence logits (zeros without a head)
+    plain: jax.Array  # [] bool: a plain target step (no draft) instead of a round (DESIGN.md 3.3b)
 
 
 def schedule(cfg: SpecConfig, confidence_logits: jax.Array | None, temperatures: jax.Array | None,
@@ -201,9 +209,25 @@ def verify_and_commit(target_params, dparams, state: SpecState, drafted: Drafted
     num_generated = state.num_generated + count
     done = state.done | (active & jnp.any(stops, -1)) | (num_generated >= state.max_new)
 
-    stats = RoundStats(active, num_draft, accepted, drafted.confidence_logits)
+    stats = RoundStats(active, num_draft, accepted, drafted.confidence_logits, jnp.zeros((), bool))
     new_state = SpecState(cache, draft, bonus, output, num_generated, done, state.max_new, drafted.key, drafted.sched)
     return new_state, stats
+
+
+def plain_and_commit(target_params, dparams, state: SpecState, *, tcfg: ModelConfig, dcfg: DrafterConfig,
+                     cfg: SpecConfig, bucket: int | None = None) -> tuple[SpecState, RoundStats]:
+    """A plain target step in the round's clothes: no drafter pass, nothing drafted, so the verify
+    pass over the anchor alone emits the target's own next token (its argmax, or a draw from its
+    processed distribution: rejection sampling with no draft token is plain sampling) and commits
+    the anchor's features to the drafter's context as a round would (DESIGN.md 3.3b)."""
+    B, g = state.anchor.shape[0], cfg.gamma
+    key, _, k_verify = jax.random.split(state.key, 3)  # as a round splits it
+    nothing = Drafted(tokens=jnp.zeros((B, g), jnp.int32), log_probs=jnp.zeros((B, g, tcfg.vocab_size), jnp.float32),
+                      confidence_logits=jnp.zeros((B, g), jnp.float32), num_draft=jnp.zeros((B,), jnp.int32),
+                      sched=state.sched, key=key, verify_key=k_verify)
+    state, stats = verify_and_commit(target_params, dparams, state, nothing, tcfg=tcfg, dcfg=dcfg, cfg=cfg,
+                                     bucket=bucket)
+    return state, dataclasses.replace(stats, plain=jnp.ones((), bool))
 
 
 _STATIC = ("tcfg", "dcfg", "cfg")
@@ -219,6 +243,7 @@ def spec_round(target_params, dparams, state: SpecState, temperatures, *, tcfg: 
 
 spec_draft = jax.jit(draft_and_schedule, static_argnames=_STATIC)
 spec_verify = jax.jit(verify_and_commit, static_argnames=_STATIC + ("bucket",), donate_argnames=("state",))
+spec_plain = jax.jit(plain_and_commit, static_argnames=_STATIC + ("bucket",), donate_argnames=("state",))
 
 
 @dataclasses.dataclass
@@ -230,16 +255,25 @@ class SpecResult(GenerationResult):
 
     def acceptance_lengths(self) -> np.ndarray:
         """tau (accepted + bonus) of every (round, active row)."""
-        return np.concatenate([r["accepted"][r["active"]] + 1 for r in self.rounds]) if self.rounds else np.zeros(0)
+        taus = [r["accepted"][r["active"]] + 1 for r in self.rounds if not r.get("plain", False)]
+        return np.concatenate(taus) if taus else np.zeros(0)
+
+    @property
+    def plain_steps(self) -> int:
+        return sum(bool(r.get("plain", False)) for r in self.rounds)
 
 
 def round_program(target_params, dparams, state_shape, temps, *, tcfg: ModelConfig, dcfg: DrafterConfig,
-                  cfg: SpecConfig):
-    """Compile one decoding round for states shaped like `state_shape`: the padded [B, g+1] verify,
-    or, with cfg.verify_buckets, draft + a flattened verify padded to the smallest bucket that holds
-    this round's scheduled tokens (the host reads the count and picks the program)."""
+                  cfg: SpecConfig, gate: PlainStepGate | None = None):
+    """Compile one decoding step for states shaped like `state_shape`: a round with the padded
+    [B, g+1] verify, or, with cfg.verify_buckets, draft + a flattened verify padded to the smallest
+    bucket that holds this round's scheduled tokens (the host reads the count and picks the
+    program). With a `gate` (needs verify buckets), each step is a round or a plain target step as
+    the gate decides from the steps before it, and what the step cost is reported back to it."""
     statics = dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg)
     if cfg.verify_buckets is None:
+        if gate is not None:
+            raise ValueError("plain steps need verify buckets (SpecConfig.verify_buckets)")
         return compiled(spec_round, (target_params, dparams, state_shape, temps), statics)
     rows = state_shape.anchor.shape[0]
     if cfg.verify_buckets[-1] < rows * (cfg.gamma + 1):
@@ -253,7 +287,26 @@ def round_program(target_params, dparams, state_shape, temps, *, tcfg: ModelConf
         scheduled = int(jnp.sum(jnp.where(state.done, 0, drafted.num_draft + 1)))
         return run_verify[int(pad_to_bucket(cfg.verify_buckets, scheduled))](target_params, dparams, state, drafted)
 
-    return run_round
+    if gate is None:
+        return run_round
+    run_plain = {n: compiled(spec_plain, (target_params, dparams, state_shape), dict(statics, bucket=n))
+                 for n in sorted({int(pad_to_bucket(cfg.verify_buckets, r)) for r in range(1, rows + 1)})}
+
+    def run_step(target_params, dparams, state, temps):
+        plain = gate.plain_now()
+        t = time.perf_counter()
+        if plain:
+            active = int(np.sum(~np.asarray(state.done)))
+            state, stats = run_plain[int(pad_to_bucket(cfg.verify_buckets, active))](target_params, dparams, state)
+            jax.block_until_ready(stats)
+            gate.observe_plain(time.perf_counter() - t)
+        else:
+            state, stats = run_round(target_params, dparams, state, temps)
+            active, accepted = np.asarray(stats.active), np.asarray(stats.accepted)
+            gate.observe_round(time.perf_counter() - t, accepted[active] + 1)
+        return state, stats
+
+    return run_step
 
 
 def _check_gamma(cfg: SpecConfig, dcfg: DrafterConfig) -> None:
@@ -266,9 +319,11 @@ def _check_gamma(cfg: SpecConfig, dcfg: DrafterConfig) -> None:
 def speculative_generate(
     target_params: dict, tcfg: ModelConfig, dparams: dict, dcfg: DrafterConfig, prompts: Sequence[Sequence[int]],
     *, max_new_tokens: int, cfg: SpecConfig, temperatures: Sequence[float] | None = None, seed: int = 0,
-    progress: bool = False,
+    progress: bool = False, gate: PlainStepGate | None = None,
 ) -> SpecResult:
-    """Speculative decoding of a static batch of prompts (token ids)."""
+    """Speculative decoding of a static batch of prompts (token ids). With cfg.plain_steps (or a
+    `gate`), plain target steps replace rounds while drafts do not pay; they are recorded in
+    `rounds` with "plain" set, and left out of `acceptance_lengths`."""
     _check_gamma(cfg, dcfg)
     tokens, lengths, max_len = pad_prompts(tcfg, prompts, max_new_tokens, slack=cfg.gamma + 1)
     temps = None if temperatures is None else jnp.asarray(temperatures, jnp.float32)
@@ -276,7 +331,9 @@ def speculative_generate(
             jnp.full((len(prompts),), max_new_tokens, jnp.int32), jax.random.key(seed))
     t0 = time.perf_counter()
     run_prefill = compiled(spec_prefill, args, dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg, max_len=max_len))
-    run_round = round_program(target_params, dparams, run_prefill.out_info, temps, tcfg=tcfg, dcfg=dcfg, cfg=cfg)
+    gate = gate or (PlainStepGate.from_table(cfg.sps, len(prompts), cfg.gamma) if cfg.plain_steps else None)
+    run_round = round_program(target_params, dparams, run_prefill.out_info, temps, tcfg=tcfg, dcfg=dcfg, cfg=cfg,
+                              gate=gate)
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     state = run_prefill(*args)
@@ -311,7 +368,8 @@ def profile_verify(target_params, tcfg: ModelConfig, dcfg: DrafterConfig, *, row
     SPS(B) = 1 / (draft + verify(B)) and Theta = tau x SPS(B) is the round's real throughput. On
     an accelerator serving a large target the draft is a rounding error; on a CPU with a 135M
     target it is a quarter of a round, and leaving it out makes verifying more look dearer than it
-    is (the scheduler then under-verifies)."""
+    is (the scheduler then under-verifies). The table also holds the plain step's cost (the verify
+    pass of one token per row, no draft): what `fallback.PlainStepGate` starts from."""
     from dspark_jax.engine.sps import profile_sps, token_buckets
 
     buckets = token_buckets(rows * (gamma + 1))
@@ -334,7 +392,10 @@ def profile_verify(target_params, tcfg: ModelConfig, dcfg: DrafterConfig, *, row
                              max_len=max_len)
         run_draft = compiled(spec_draft, (target_params, dparams, state, None), dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg))
         draft = functools.partial(run_draft, target_params, dparams, state, None)
-    return profile_sps(lambda n: (draft(), programs[n]()), buckets, warmup=1, repeats=repeats, model=model)
+    table = profile_sps(lambda n: (draft(), programs[n]()), buckets, warmup=1, repeats=repeats, model=model)
+    # A plain step (DESIGN.md 3.3b) is the verify pass of one token per row, without the drafter.
+    plain = profile_sps(lambda n: programs[n](), (int(pad_to_bucket(buckets, rows)),), warmup=1, repeats=repeats)
+    return dataclasses.replace(table, plain_sps=plain.sps[0])
 
 
 def _set_row(batched: jax.Array, single: jax.Array, row, axis: int) -> jax.Array:
@@ -362,7 +423,8 @@ def admit(state: SpecState, new: SpecState, row) -> SpecState:
 class RequestStats:
     """Per-slot running totals of the rounds a request took part in (continuous batching): rounds,
     tau (accepted + bonus) summed, draft tokens verified and, per draft position k, the rounds that
-    reached k (1..k-1 accepted, k verified) and accepted it (decode's JSON fields)."""
+    reached k (1..k-1 accepted, k verified) and accepted it (decode's JSON fields); and the plain
+    target steps it took instead of rounds."""
 
     def __init__(self, slots: int, gamma: int):
         self.k = np.arange(1, gamma + 1)[None, :]
@@ -371,9 +433,13 @@ class RequestStats:
         self.verified = np.zeros(slots, np.int64)
         self.reached = np.zeros((slots, gamma), np.int64)
         self.accepted = np.zeros((slots, gamma), np.int64)
+        self.plain = np.zeros(slots, np.int64)
 
     def add(self, stats: dict) -> None:
         active, a, n = stats["active"], stats["accepted"], stats["num_draft"]
+        if stats.get("plain", False):  # a plain target step: one token, no draft, not a round
+            self.plain += active
+            return
         reached = (n[:, None] >= self.k) & (a[:, None] >= self.k - 1) & active[:, None]
         self.rounds += active
         self.tau += np.where(active, a + 1, 0)
@@ -385,8 +451,8 @@ class RequestStats:
         """The totals of slot `row` (then reset for its next request)."""
         out = {"rounds": int(self.rounds[row]), "tau_sum": int(self.tau[row]),
                "verified_tokens": int(self.verified[row]), "position_reached": self.reached[row].tolist(),
-               "position_accepted": self.accepted[row].tolist()}
-        for a in (self.rounds, self.tau, self.verified, self.reached, self.accepted):
+               "position_accepted": self.accepted[row].tolist(), "plain_steps": int(self.plain[row])}
+        for a in (self.rounds, self.tau, self.verified, self.reached, self.accepted, self.plain):
             a[row] = 0
         return out
 
@@ -394,7 +460,7 @@ class RequestStats:
 def speculative_serve(
     target_params: dict, tcfg: ModelConfig, dparams: dict, dcfg: DrafterConfig, prompts: Sequence[Sequence[int]],
     *, slots: int, max_new_tokens: int, cfg: SpecConfig, temperatures: Sequence[float] | None = None, seed: int = 0,
-    on_finish=None, on_progress=None, keep_rounds: bool = True,
+    on_finish=None, on_progress=None, keep_rounds: bool = True, gate: PlainStepGate | None = None,
 ) -> SpecResult:
     """Continuous batching over `slots` request slots: when a request finishes, the next waiting
     prompt is prefilled into its slot while the other slots keep decoding. Rounds record which
@@ -405,7 +471,8 @@ def speculative_serve(
     before the clock starts. on_finish(index, token_ids, stats) is called as each request completes,
     stats holding its `RequestStats` totals and "wall_s" (its prefill to its last round);
     on_progress(tokens, seconds) after every round with the tokens generated so far. The result's
-    `request_stats` holds the same dicts in input order."""
+    `request_stats` holds the same dicts in input order. With cfg.plain_steps (or a `gate`),
+    plain target steps replace rounds while drafts do not pay (counted as "plain_steps")."""
     _check_gamma(cfg, dcfg)
     _, _, max_len = pad_prompts(tcfg, prompts, max_new_tokens, slack=cfg.gamma + 1)
     temps = None if temperatures is None else jnp.asarray(temperatures, jnp.float32)
@@ -423,7 +490,8 @@ def speculative_serve(
                               [max_new_tokens] * len(first) + [1] * (slots - len(first)), jax.random.key(seed))
     t0 = time.perf_counter()
     run_first = compiled(spec_prefill, first_args, dict(statics, max_len=max_len))
-    run_round = round_program(target_params, dparams, run_first.out_info, temps, **statics)
+    gate = gate or (PlainStepGate.from_table(cfg.sps, slots, cfg.gamma) if cfg.plain_steps else None)
+    run_round = round_program(target_params, dparams, run_first.out_info, temps, **statics, gate=gate)
     run_refill, run_admit = {}, {}  # per prompt width bucket
     for p in prompts[slots:]:
         args = prefill_args([p], [max_new_tokens], jax.random.key(0))

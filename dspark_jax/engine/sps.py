@@ -53,6 +53,9 @@ class SPSTable:
     device: str = ""  # jax device kind the table was profiled on (e.g. "NVIDIA H200", "cpu")
     model: str = ""  # identity of the target model / engine configuration it was profiled for
     created: str = ""  # ISO-8601 UTC timestamp of the profiling run
+    # Plain target decode steps per second for the same rows (no drafter pass; DESIGN.md 3.3b), when
+    # profiled: what a step costs when the engine does not draft.
+    plain_sps: float | None = None
 
     def __post_init__(self):
         buckets = tuple(int(b) for b in self.buckets)
@@ -67,6 +70,10 @@ class SPSTable:
             raise ValueError(f"bucket sizes must be positive and strictly ascending, got {list(buckets)}")
         if any(not math.isfinite(s) or s < 0 for s in sps):
             raise ValueError(f"SPS values must be finite and >= 0, got {list(sps)}")
+        if self.plain_sps is not None:
+            object.__setattr__(self, "plain_sps", float(self.plain_sps))
+            if not math.isfinite(self.plain_sps) or self.plain_sps <= 0:
+                raise ValueError(f"plain_sps must be finite and > 0, got {self.plain_sps}")
 
     @property
     def max_tokens(self) -> int:
@@ -77,8 +84,9 @@ class SPSTable:
         return np.asarray(self.buckets, np.int32), np.asarray(self.sps, np.float32)
 
     def to_json(self) -> dict[str, Any]:
-        return dict(format=FORMAT, version=VERSION, device=self.device, model=self.model, created=self.created,
-                    buckets=list(self.buckets), sps=list(self.sps))
+        out = dict(format=FORMAT, version=VERSION, device=self.device, model=self.model, created=self.created,
+                   buckets=list(self.buckets), sps=list(self.sps))
+        return out if self.plain_sps is None else dict(out, plain_sps=self.plain_sps)
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> SPSTable:
@@ -87,7 +95,7 @@ class SPSTable:
         if obj.get("version") != VERSION:
             raise ValueError(f"unsupported version {obj.get('version')!r} (expected {VERSION})")
         return cls(buckets=tuple(obj["buckets"]), sps=tuple(obj["sps"]), device=str(obj["device"]),
-                   model=str(obj["model"]), created=str(obj.get("created", "")))
+                   model=str(obj["model"]), created=str(obj.get("created", "")), plain_sps=obj.get("plain_sps"))
 
 
 def token_buckets(max_tokens: int) -> tuple[int, ...]:

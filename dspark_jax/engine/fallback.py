@@ -1,0 +1,81 @@
+"""When drafting does not pay, plain target steps instead of speculative rounds (DESIGN.md 3.3b).
+
+A round costs the drafter's pass plus a verify pass and commits tau tokens per request; a plain
+step costs one target pass and commits exactly one. `PlainStepGate` keeps running estimates of
+tau (from the rounds run so far), of a round's seconds and of a plain step's seconds (measured on
+this machine; the SPS table's profiled costs are the priors), and before each step picks the one
+with the higher expected tokens per second. While plain steps win, a round is run now and then
+(every `probe_every` plain steps, the interval doubling while probes keep losing) so that a
+drafter that starts paying again — easier text later in the response — is noticed.
+
+Lossless by construction: the choice for step t is made from steps before t only (never from
+step t's draft), and a plain step emits exactly the target's next token (a verify pass with no
+draft tokens: greedy the argmax, sampled a draw from the processed target distribution).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+PROBE_EVERY = 8  # plain steps before the first re-probe
+PROBE_EVERY_MAX = 64  # the re-probe interval doubles up to this while probes lose
+SMOOTHING = 0.3  # weight of the newest observation in the running estimates
+
+
+@dataclasses.dataclass
+class PlainStepGate:
+    """Host-side state of the round / plain-step choice for one batch of request slots.
+
+    round_s / plain_s: seconds of a round / a plain step (priors; None = unknown, measured by
+    running one); tau: tokens a request commits per round (bonus included)."""
+
+    round_s: float | None = None
+    plain_s: float | None = None
+    tau: float | None = None
+    probe_every: int = PROBE_EVERY
+    plain_run: int = 0  # plain steps since the last round
+    rounds: int = 0
+    plain_steps: int = 0
+
+    @classmethod
+    def from_table(cls, table, rows: int, gamma: int) -> "PlainStepGate":
+        """Priors from an SPS table: a round at the full verify bucket, and the table's plain-step
+        cost when it was profiled with one."""
+        from dspark_jax.engine.sps import sps_of
+
+        full = float(sps_of(table, min(rows * (gamma + 1), table.max_tokens))) if table is not None else 0.0
+        plain = getattr(table, "plain_sps", None)
+        return cls(round_s=1.0 / full if full > 0 else None, plain_s=1.0 / plain if plain else None)
+
+    def plain_now(self) -> bool:
+        """Run a plain step (True) or a round (False) next."""
+        if self.tau is None or self.round_s is None:
+            return False  # nothing known about the drafter yet: measure a round
+        if self.plain_s is None:
+            return True  # measure a plain step once
+        if self.tau * self.plain_s >= self.round_s:  # tau / round_s >= 1 / plain_s: rounds pay
+            return False
+        return self.plain_run < self.probe_every
+
+    def observe_round(self, seconds: float, tokens_per_request: np.ndarray) -> None:
+        """A round took `seconds` and its active requests committed these many tokens each."""
+        tokens = np.asarray(tokens_per_request, np.float64)
+        if tokens.size:
+            self.tau = _smooth(self.tau, float(tokens.mean()))
+        self.round_s = _smooth(self.round_s, seconds)
+        if self.plain_run:  # a re-probe: back off while it keeps losing
+            lost = self.plain_s is not None and self.tau * self.plain_s < self.round_s
+            self.probe_every = min(2 * self.probe_every, PROBE_EVERY_MAX) if lost else PROBE_EVERY
+        self.plain_run = 0
+        self.rounds += 1
+
+    def observe_plain(self, seconds: float) -> None:
+        self.plain_s = _smooth(self.plain_s, seconds)
+        self.plain_run += 1
+        self.plain_steps += 1
+
+
+def _smooth(old: float | None, new: float) -> float:
+    return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new

@@ -1,0 +1,210 @@
+"""Plain target steps instead of rounds when drafts do not pay (DESIGN.md 3.3b, engine/fallback.py):
+the engine stays lossless whatever mix of rounds and plain steps it runs, and the gate picks plain
+steps when rounds cost more per token than they commit."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from test_speculative import (
+    PROMPTS,
+    SAMPLING_PROMPTS,
+    SOFT_TARGET,
+    SPS,
+    TARGET,
+    TCFG,
+    assert_follows_target,
+    drafter,
+    round_counts,
+)
+
+from dspark_jax.core.config_checks import ConfigError
+from dspark_jax.drafters.dspark import init_drafter_params
+from dspark_jax.engine.fallback import PROBE_EVERY, PROBE_EVERY_MAX, PlainStepGate
+from dspark_jax.engine.generate import generate
+from dspark_jax.engine.sampling import SamplingConfig
+from dspark_jax.engine.speculative import SpecConfig, speculative_generate, speculative_serve
+from dspark_jax.engine.sps import SPSTable, load_sps_table, save_sps_table, token_buckets
+
+
+class ScriptedGate(PlainStepGate):
+    """Plain steps where `pattern(step)` says so, whatever the costs: the engine must stay lossless
+    under any schedule of rounds and plain steps that does not look at the current draft."""
+
+    def __init__(self, pattern):
+        super().__init__()
+        self.pattern, self.step = pattern, 0
+
+    def plain_now(self) -> bool:
+        self.step += 1
+        return self.pattern(self.step)
+
+
+class PricedGate(PlainStepGate):
+    """The real decision, with fixed costs instead of this machine's timings (rounds `round_s`,
+    plain steps `plain_s` seconds), so that the choice it makes is deterministic."""
+
+    def __init__(self, round_s: float, plain_s: float):
+        super().__init__()
+        self.costs = (round_s, plain_s)
+
+    def observe_round(self, seconds, tokens_per_request):
+        super().observe_round(self.costs[0], tokens_per_request)
+
+    def observe_plain(self, seconds):
+        super().observe_plain(self.costs[1])
+
+
+def bucketed(**kw) -> SpecConfig:
+    return SpecConfig(gamma=4, verify_buckets=token_buckets(3 * 5), **kw)
+
+
+ALTERNATE = lambda step: step % 2 == 0  # noqa: E731  round, plain, round, plain, ...
+MOSTLY_PLAIN = lambda step: step % 3 != 1  # noqa: E731  round, plain, plain, round, ...
+
+
+@pytest.mark.parametrize("policy", ["fixed", "dspark"])
+@pytest.mark.parametrize("pattern", [ALTERNATE, MOSTLY_PLAIN, lambda step: True], ids=["alternate", "mostly", "all"])
+def test_greedy_with_plain_steps_equals_greedy_target(policy, pattern):
+    dcfg, dparams = drafter()
+    want = generate(TARGET, TCFG, PROMPTS, max_new_tokens=20).token_ids
+    gate = ScriptedGate(pattern)
+    got = speculative_generate(TARGET, TCFG, dparams, dcfg, PROMPTS, max_new_tokens=20, gate=gate,
+                               cfg=bucketed(policy=policy, sps=SPS))
+    assert got.token_ids == want
+    assert gate.plain_steps == got.plain_steps > 0
+    if pattern(1):  # all plain: no round ran, every step emitted exactly one token per row
+        assert gate.rounds == 0 and len(got.acceptance_lengths()) == 0
+        assert got.plain_steps == 19  # the prefill emits the first of the 20 tokens
+    else:
+        accepting, _ = round_counts(got)
+        assert gate.rounds > 0 and accepting > 0
+
+
+def test_continuous_batching_with_plain_steps_is_lossless():
+    """7 requests through 3 slots, refills between plain steps and rounds, stop tokens on."""
+    dcfg, dparams = drafter()
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11], [12, 13], [14, 15, 16], [17, 18, 19, 20]]
+    want = [generate(TARGET, TCFG, [p], max_new_tokens=9).token_ids[0] for p in prompts]
+    stop = want[0][4]
+    want_stop = [generate(TARGET, TCFG, [p], stop_ids=[stop], max_new_tokens=9).token_ids[0] for p in prompts]
+    for stops, expected in (((), want), ((stop,), want_stop)):
+        gate = ScriptedGate(MOSTLY_PLAIN)
+        got = speculative_serve(TARGET, TCFG, dparams, dcfg, prompts, slots=3, max_new_tokens=9, gate=gate,
+                                cfg=bucketed(policy="dspark", sps=SPS, stop_ids=stops))
+        assert got.token_ids == expected
+        assert gate.plain_steps > 0 and gate.rounds > 0
+        per_request = [s["plain_steps"] for s in got.request_stats]
+        assert sum(per_request) > 0
+        # a plain step is not a round: tau totals only count the rounds
+        assert all(s["tau_sum"] >= s["rounds"] for s in got.request_stats)
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(1.0), SamplingConfig(0.8, 8, 0.9)], ids=["T1", "topk-topp"])
+def test_sampling_with_plain_steps_is_lossless(sampling):
+    """The first 6 sampled tokens (6000 samples, 3 prompts) follow the target's conditionals exactly
+    with rounds and plain steps alternating: position 0 is the prefill's sample, the others come
+    from rounds (rejection sampling) or from plain steps. Power, on these seeds: a plain step that
+    "verifies" its anchor as a draft token of probability one (num_draft 1, q = 1) fails the check."""
+    dcfg, dparams = drafter()
+    prompts = SAMPLING_PROMPTS * 2000
+    gate = ScriptedGate(ALTERNATE)
+    spec = speculative_generate(SOFT_TARGET, TCFG, dparams, dcfg, prompts, max_new_tokens=6, seed=3, gate=gate,
+                                cfg=SpecConfig(gamma=4, sampling=sampling, policy="fixed",
+                                               verify_buckets=token_buckets(len(prompts) * 5)))
+    assert gate.plain_steps >= 2 and gate.rounds >= 2
+    accepting, rejecting = round_counts(spec)
+    assert accepting > 1000 and rejecting > 1000, (accepting, rejecting)
+    assert_follows_target(prompts, spec.token_ids, sampling)
+
+
+def test_a_drafter_that_never_pays_falls_back_to_plain_steps():
+    """A random drafter (nothing accepted) and rounds dearer than plain steps: after the first round
+    and one measured plain step, the engine decodes with plain steps, re-probing with a round at
+    growing intervals — and the output is still exactly the target's."""
+    dcfg, _ = drafter(head="none")
+    dparams = jax.tree.map(jax.numpy.asarray, jax.device_get(init_drafter_params(dcfg, jax.random.key(7), scale=0.3)))
+    want = generate(TARGET, TCFG, PROMPTS, max_new_tokens=120).token_ids
+    gate = PricedGate(round_s=2.0, plain_s=1.0)
+    got = speculative_generate(TARGET, TCFG, dparams, dcfg, PROMPTS, max_new_tokens=120, gate=gate,
+                               cfg=bucketed(policy="fixed"))
+    assert got.token_ids == want
+    assert got.acceptance_lengths().mean() < 1.3  # the drafter really does not pay
+    assert gate.plain_steps > 0.85 * (gate.plain_steps + gate.rounds), (gate.plain_steps, gate.rounds)
+    assert gate.probe_every > PROBE_EVERY  # the probes lost, so they became rarer
+
+
+def test_a_drafter_that_pays_keeps_drafting():
+    """The structured drafter (tau ~1.7) and rounds a little dearer than plain steps: rounds win
+    but for the measured plain step and stretches where the running tau dips."""
+    dcfg, dparams = drafter()
+    gate = PricedGate(round_s=1.1, plain_s=1.0)
+    got = speculative_generate(TARGET, TCFG, dparams, dcfg, PROMPTS, max_new_tokens=40, gate=gate,
+                               cfg=bucketed(policy="fixed"))
+    assert got.token_ids == generate(TARGET, TCFG, PROMPTS, max_new_tokens=40).token_ids
+    assert got.acceptance_lengths().mean() > 1.5 and gate.plain_steps < 0.3 * gate.rounds, gate
+
+
+# ----------------------------------------------------------------------------- the gate itself
+
+
+def feed(gate: PlainStepGate, steps: int, round_s: float, plain_s: float, tau: float) -> str:
+    """Run the gate for `steps` decisions with fixed costs; 'R' for a round, 'p' for a plain step."""
+    out = ""
+    for _ in range(steps):
+        if gate.plain_now():
+            gate.observe_plain(plain_s)
+            out += "p"
+        else:
+            gate.observe_round(round_s, np.array([tau]))
+            out += "R"
+    return out
+
+
+def test_gate_measures_a_round_and_a_plain_step_first_then_prefers_the_cheaper_per_token():
+    paying = feed(PlainStepGate(), 12, round_s=1.0, plain_s=0.5, tau=3.0)  # 3 tok/s vs 2 tok/s
+    assert paying == "Rp" + "R" * 10
+    losing = PlainStepGate()
+    steps = feed(losing, 1 + PROBE_EVERY + 1 + 2 * PROBE_EVERY + 1, round_s=1.0, plain_s=0.5, tau=1.2)
+    # measured both, then plain steps with re-probes at doubling intervals while the probes lose
+    assert steps == "Rp" + "p" * (PROBE_EVERY - 1) + "R" + "p" * (2 * PROBE_EVERY) + "R"
+    assert losing.probe_every == 4 * PROBE_EVERY
+
+
+def test_gate_probe_interval_is_capped_and_resets_when_a_probe_wins():
+    gate = PlainStepGate(round_s=1.0, plain_s=0.5, tau=1.0)
+    feed(gate, 2000, round_s=1.0, plain_s=0.5, tau=1.0)
+    assert gate.probe_every == PROBE_EVERY_MAX
+    feed(gate, 300, round_s=1.0, plain_s=0.5, tau=4.0)  # the text got easy: rounds pay again
+    assert gate.probe_every == PROBE_EVERY and not gate.plain_now()
+
+
+def test_gate_priors_come_from_the_sps_table():
+    table = SPSTable(buckets=(1, 2, 4, 8, 10), sps=(50.0, 48.0, 45.0, 40.0, 20.0), plain_sps=40.0)
+    gate = PlainStepGate.from_table(table, rows=2, gamma=4)  # a full round: 10 tokens, 20 rounds/s
+    assert gate.round_s == pytest.approx(0.05) and gate.plain_s == pytest.approx(0.025)
+    assert PlainStepGate.from_table(SPSTable(buckets=(1, 2), sps=(5.0, 4.0)), rows=1, gamma=1).plain_s is None
+    assert PlainStepGate.from_table(None, rows=1, gamma=1).round_s is None
+
+
+def test_sps_table_keeps_the_plain_step_cost(tmp_path):
+    path = tmp_path / "t.json"
+    table = SPSTable(buckets=(1, 2), sps=(5.0, 4.0), device="cpu", model="m", plain_sps=9.0)
+    save_sps_table(path, table)
+    assert load_sps_table(path) == table
+    old = json.loads(path.read_text())
+    del old["plain_sps"]  # a table profiled before plain steps existed still loads
+    path.write_text(json.dumps(old))
+    assert load_sps_table(path).plain_sps is None
+    with pytest.raises(ValueError, match="plain_sps must be finite and > 0"):
+        SPSTable(buckets=(1,), sps=(1.0,), plain_sps=0.0)
+
+
+def test_plain_steps_need_the_flattened_verify():
+    with pytest.raises(ConfigError, match="plain_steps needs verify_buckets"):
+        SpecConfig(gamma=4, plain_steps=True)
+    cfg = SpecConfig(gamma=4, plain_steps=True, verify_buckets=(4, 8, 15), policy="dspark", sps=SPS)
+    dcfg, dparams = drafter()
+    got = speculative_generate(TARGET, TCFG, dparams, dcfg, PROMPTS, max_new_tokens=12, cfg=cfg)  # the real gate
+    assert got.token_ids == generate(TARGET, TCFG, PROMPTS, max_new_tokens=12).token_ids
