@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-from dspark_jax.core.cli import ArgumentParser, run_cli
+from dspark_jax.core.cli import ArgumentParser, flag, run_cli
 from dspark_jax.distributed import runtime
 
 
@@ -31,14 +31,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allow-schedule-change", action="store_true",
                    help="on --resume, accept changed optim.steps / run.* settings (recorded in resumes.jsonl)")
     p.add_argument("--no-progress", action="store_true")
+    plan = p.add_argument_group("--plan: memory per device and FLOPs per step, from shapes alone (nothing trains)")
+    plan.add_argument("--plan", action="store_true", help="print the plan of this config and exit")
+    where = plan.add_mutually_exclusive_group()
+    where.add_argument("--devices", type=flag(int, ge=1), help="plan for N devices (default: the devices here)")
+    where.add_argument("--accelerator-type", help="plan for a Cloud TPU slice, e.g. v5p-8 (4 chips) or v6e-8 (8 chips)")
+    plan.add_argument("--accelerator", help="chip for HBM and step time (a serving.hardware.ACCELERATORS key, e.g. "
+                                            "tpu-v5p; default: from --accelerator-type)")
+    plan.add_argument("--target-config", help="the target's config.json, when the target is not on this machine")
+    plan.add_argument("--mfu", type=flag(float, gt=0, le=1), default=None,
+                      help="assumed model FLOP utilisation for the step time (default 0.4)")
+    plan.add_argument("--json", action="store_true", help="the plan as JSON")
     runtime.add_distributed_flags(p)
     args = p.parse_args(argv)
     if args.allow_schedule_change and not args.resume:
         p.error("--allow-schedule-change only applies with --resume")
+    plan_only = [f for f in ("devices", "accelerator_type", "accelerator", "target_config", "mfu") if
+                 getattr(args, f) is not None] + (["json"] if args.json else [])
+    if plan_only and not args.plan:
+        p.error(f"--{plan_only[0].replace('_', '-')} only applies with --plan")
 
     from dspark_jax.training.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    if args.plan:
+        import json
+
+        from dspark_jax.training import plan as training_plan
+
+        found = training_plan.plan_for(cfg, devices=args.devices, accelerator_type=args.accelerator_type,
+                                       accelerator=args.accelerator, target_config=args.target_config,
+                                       mfu=args.mfu or training_plan.DEFAULT_MFU)
+        print(json.dumps(found, indent=1) if args.json else training_plan.format_plan(found))
+        return 0
     runtime.initialize(args)  # before anything touches devices
     from dspark_jax.checkpoints.registry import load_target
     from dspark_jax.drafters.checkpoint import save_drafter

@@ -13,7 +13,7 @@ import pytest
 
 from cli_helpers import run_main
 from dspark_jax import calibrate, decode, eval as eval_cli, plot_metrics, train
-from dspark_jax.data import datagen
+from dspark_jax import datagen
 
 COMMANDS = {"decode": decode.main, "eval": eval_cli.main, "calibrate": calibrate.main, "datagen": datagen.main,
             "train": train.main, "plot_metrics": plot_metrics.main}

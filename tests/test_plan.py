@@ -12,6 +12,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from dspark_jax import train
 from dspark_jax.distributed import sharding
 from dspark_jax.drafters import dspark, eagle3
 from dspark_jax.models import decoder
@@ -228,8 +229,8 @@ def test_launch_readme_quotes_the_plan():
     for accelerator_type, overrides in (("v5p-8", V5P), ("v6e-8", V6E)):
         text = planmod.format_plan(qwen3_plan(accelerator_type, *overrides))
         assert text in readme, f"launch/README.md lacks the plan for {accelerator_type}:\n{text}"
-        command = shlex.join(["python", "-m", "dspark_jax.training.plan", "--config", "configs/dspark_qwen3-8b.yaml",
-                              "--accelerator-type", accelerator_type, *overrides])
+        command = shlex.join(["python", "-m", "dspark_jax.train", "--config", "configs/dspark_qwen3-8b.yaml",
+                              "--plan", "--accelerator-type", accelerator_type, *overrides])
         assert command in readme
 
 
@@ -252,16 +253,16 @@ def test_target_shapes_without_weights(tmp_path):
 
 
 def test_cli(capsys):
-    assert planmod.main(["--config", QWEN3_8B, "--accelerator-type", "v5p-8", *V5P]) == 0
+    assert train.main(["--config", QWEN3_8B, "--plan", "--accelerator-type", "v5p-8", *V5P]) == 0
     out = capsys.readouterr().out
     assert "mesh data=1 fsdp=1 tensor=4 on 4 of 4 devices" in out and "fits" in out
-    assert planmod.main(["--config", QWEN3_8B, "--devices", "8", "--json"]) == 0
+    assert train.main(["--config", QWEN3_8B, "--plan", "--devices", "8", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
     assert p["mesh"] == {"data": 2, "fsdp": 1, "tensor": 4} and "accelerator" not in p
-    assert planmod.main(["--config", QWEN3_8B, "--accelerator-type", "v9-8"]) == 2
+    assert train.main(["--config", QWEN3_8B, "--plan", "--accelerator-type", "v9-8"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: unknown TPU accelerator type") and err.count("\n") == 1
-    assert planmod.main(["--config", QWEN3_8B, "--devices", "2"]) == 2  # [-1, 1, 4] needs 4
+    assert train.main(["--config", QWEN3_8B, "--plan", "--devices", "2"]) == 2  # [-1, 1, 4] needs 4
     assert "needs 4 devices, 2 available" in capsys.readouterr().err
 
 
@@ -270,7 +271,7 @@ def test_cli_reads_a_target_config(tmp_path, capsys):
           "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
           "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": False}
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    assert planmod.main(["--config", QWEN3_8B, "--accelerator-type", "v5p-8", "--target-config",
+    assert train.main(["--config", QWEN3_8B, "--plan", "--accelerator-type", "v5p-8", "--target-config",
                          str(tmp_path / "config.json"), "--json", *V5P]) == 0
     p = json.loads(capsys.readouterr().out)
     assert p["target"]["shapes_from"] == "given"

@@ -51,17 +51,15 @@ file's (or a known name's) metadata, or, for a folder that is not there yet (con
 point at checkpoints/Qwen3-8B), the public config.json shapes in `serving.hardware.TARGETS`, by
 folder name. Pass a `ModelConfig` to `training_plan` to skip that.
 
-`python -m dspark_jax.training.plan --config FILE --accelerator-type v5p-8 [key=value ...]` prints it.
+`python -m dspark_jax.train --config FILE --plan --accelerator-type v5p-8 [key=value ...]` prints it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
-import sys
 
 from dspark_jax.core.errors import UserError
 from dspark_jax.distributed.sharding import MESH_AXES, is_spec, logical_spec
@@ -419,38 +417,22 @@ def format_plan(plan: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from dspark_jax.core.cli import ArgumentParser, run_cli, flag
-    from dspark_jax.training.config import load_config
+def plan_for(cfg: TrainConfig, *, devices: int | None = None, accelerator_type: str | None = None,
+             accelerator: str | None = None, target_config: str | None = None, mfu: float = DEFAULT_MFU) -> dict:
+    """The plan `train --plan` prints: for `devices` devices, a Cloud TPU slice (`accelerator_type`,
+    e.g. v5p-8) or, given neither, the devices this process sees; the target's shapes from
+    `target_config` (a config.json) when cfg.target is not on this machine."""
+    chip = None
+    if accelerator_type:
+        devices, chip = tpu_chips(accelerator_type)
+    elif devices is None:
+        import jax
 
-    @run_cli
-    def run(argv):
-        p = ArgumentParser(prog="python -m dspark_jax.training.plan", description=__doc__.split("\n")[0])
-        p.add_argument("--config", required=True)
-        p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.grad_accum=16")
-        where = p.add_mutually_exclusive_group(required=True)
-        where.add_argument("--devices", type=flag(int, ge=1), help="number of devices")
-        where.add_argument("--accelerator-type", help="a Cloud TPU slice, e.g. v5p-8 (4 chips) or v6e-8 (8 chips)")
-        p.add_argument("--accelerator", help="chip for HBM and step time (serving.hardware.ACCELERATORS key, "
-                                             "e.g. tpu-v5p); default: from --accelerator-type")
-        p.add_argument("--target-config", help="the target's config.json (when cfg.target is not on this machine)")
-        p.add_argument("--mfu", type=flag(float, gt=0, le=1), default=DEFAULT_MFU, help="assumed model FLOP utilisation")
-        p.add_argument("--json", action="store_true")
-        args = p.parse_args(argv)
-        cfg = load_config(args.config, args.overrides)
-        devices, chip = (args.devices, None) if args.devices else tpu_chips(args.accelerator_type)
-        target = name = None
-        if args.target_config:
-            from dspark_jax.checkpoints.hf import read_json
-            from dspark_jax.models.config import config_from_hf
+        devices = jax.device_count()
+    target = None
+    if target_config:
+        from dspark_jax.checkpoints.hf import read_json
+        from dspark_jax.models.config import config_from_hf
 
-            target = config_from_hf(read_json(args.target_config), source=args.target_config)
-        plan = training_plan(cfg, devices, target, target_name=name, accelerator=args.accelerator or chip, mfu=args.mfu)
-        print(json.dumps(plan, indent=1) if args.json else format_plan(plan))
-        return 0
-
-    return run(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        target = config_from_hf(read_json(target_config), source=target_config)
+    return training_plan(cfg, devices, target, accelerator=accelerator or chip, mfu=mfu)
