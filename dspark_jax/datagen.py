@@ -48,7 +48,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     runtime.initialize(args)  # before anything touches devices
-    gather.protect_stdout()
     from dspark_jax.data import datagen
     from dspark_jax.data.splits import SPLITS, parse_sets
 

@@ -103,12 +103,10 @@ def summary_line(s: dict) -> str:
     return line
 
 
-
 @run_cli
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     runtime.initialize(args)  # before anything touches devices
-    gather.protect_stdout()
     summary = offline.decode_prompts(args)
     if gather.is_primary():
         print(json.dumps({"summary": summary}, ensure_ascii=False) if args.json else summary_line(summary),

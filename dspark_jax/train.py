@@ -17,7 +17,7 @@ import os
 import sys
 
 from dspark_jax.core.cli import ArgumentParser, flag, run_cli
-from dspark_jax.distributed import runtime
+from dspark_jax.distributed import gather, runtime
 
 
 @run_cli
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_jax.checkpoints.registry import load_target
     from dspark_jax.drafters.checkpoint import save_drafter
     from dspark_jax.training.config import config_to_dict
-    from dspark_jax.training.trainer import Trainer, barrier, check_run_folder
+    from dspark_jax.training.trainer import Trainer, check_run_folder
 
     folder = dict(resume=args.resume, overwrite=args.overwrite, allow_schedule_change=args.allow_schedule_change)
     check_run_folder(cfg, **folder)  # before loading anything: fit checks again, then writes
@@ -77,12 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     state = trainer.fit(progress=not args.no_progress, **folder)
     trainer.close()
     params = trainer.host_params(state)  # every process takes part; process 0 writes
-    if runtime.is_primary():
+    if gather.is_primary():
         out = os.path.join(cfg.run.out_dir, "drafter")
         save_drafter(out, trainer.dcfg, params,
                      metadata={"train_config": config_to_dict(cfg), "steps": int(state.step)})
         print(f"drafter written to {out}")
-    barrier("dspark-drafter-written")  # the run is over on every process once its drafter exists
+    gather.barrier("dspark-drafter-written")  # the run is over on every process once its drafter exists
     return 0
 
 

@@ -74,10 +74,6 @@ def initialize(args: argparse.Namespace) -> None:
     except (RuntimeError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"could not join the multi-process run ({first})") from None
+    from dspark_jax.distributed.gather import protect_stdout
 
-
-def is_primary() -> bool:
-    """Process 0 writes the files of a run (outputs, metrics, plots); the others compute."""
-    import jax
-
-    return jax.process_index() == 0
+    protect_stdout()  # gloo announces its connections on stdout; keep stdout for the command's output

@@ -367,9 +367,11 @@ _COMPILED: dict = {}
 
 def compiled(fn, args: tuple, statics: dict):
     """Ahead-of-time compile jitted `fn` for these argument shapes and static keyword arguments
-    (cached), so the caller can time execution without XLA compilation."""
+    (cached), so the caller can time execution without XLA compilation. The key holds each
+    argument's sharding too: a program compiled for replicated params does not take sharded ones."""
     leaves, treedef = jax.tree.flatten(args)
-    key = (fn.__name__, treedef, tuple((a.shape, str(a.dtype)) for a in leaves), tuple(sorted(statics.items())))
+    key = (fn.__name__, treedef, tuple((a.shape, str(a.dtype), getattr(a, "sharding", None)) for a in leaves),
+           tuple(sorted(statics.items())))
     if key not in _COMPILED:
         _COMPILED[key] = fn.lower(*args, **statics).compile()
     return _COMPILED[key]

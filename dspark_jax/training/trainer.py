@@ -53,6 +53,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from dspark_jax.distributed import sharding
+from dspark_jax.distributed.gather import barrier
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.core.errors import UserError
 from dspark_jax.models import decoder
@@ -409,18 +410,6 @@ def truncate_metrics(path: str, step: int) -> int:
     return dropped
 
 
-def _sync(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
-
-
-def barrier(name: str) -> None:
-    """Wait until every process of a multi-process run gets here (nothing with one process)."""
-    _sync(name)
-
-
 def _check_same_everywhere(what: str, text: str) -> None:
     """A UserError unless every process holds the same `text` (a no-op with one process)."""
     if jax.process_count() == 1:
@@ -634,7 +623,7 @@ class Trainer:
         same["run"] = {k: v for k, v in same["run"].items() if k != "out_dir"}
         _check_same_everywhere("the run's config (paths aside)", json.dumps({**same, "target": None}, sort_keys=True))
         check = check_run_folder(cfg, resume, overwrite, allow_schedule_change)
-        _sync("dspark-run-folder-checked")  # every process checked before process 0 writes
+        barrier("dspark-run-folder-checked")  # every process checked before process 0 writes
         if jax.process_index() == 0:
             if overwrite:
                 clear_run_folder(cfg.run.out_dir)
@@ -642,7 +631,7 @@ class Trainer:
             if check.stored is None or not os.path.exists(os.path.join(cfg.run.out_dir, RUN_FILE)):
                 _write_atomic(os.path.join(cfg.run.out_dir, RUN_FILE),
                               json.dumps({"config": jsonable_config(cfg), "started": _now()}, indent=1) + "\n")
-        _sync("dspark-run-folder-claimed")
+        barrier("dspark-run-folder-claimed")
         return check
 
     def _record_resume(self, check: RunFolderCheck, step: int, dropped: int) -> None:
@@ -694,7 +683,7 @@ class Trainer:
             dropped = truncate_metrics(log_path, start)
             if check.stored is not None:
                 self._record_resume(check, start, dropped)
-        _sync("dspark-run-log-ready")  # metrics.jsonl cut back before anything is appended
+        barrier("dspark-run-log-ready")  # metrics.jsonl cut back before anything is appended
         bar = tqdm(total=cfg.optim.steps, initial=start, disable=not (progress and primary), desc="train",
                    unit="step")
         rows = self.batch_rows
