@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="draft tokens per round, 1 to the drafter's block size (default: the block size)")
     p.add_argument("--threshold", type=setting_flag(SpecConfig, "threshold"), default=0.5,
                    help="prefix-survival threshold in [0, 1] for --scheduler threshold")
+    p.add_argument("--plain-steps", default="auto", choices=["auto", "on", "off"],
+                   help="run plain target steps instead of rounds while drafts do not pay (measured as decoding "
+                        "goes; re-probed now and then; lossless); auto = on with --scheduler auto")
     p.add_argument("--compare-ar", action=argparse.BooleanOptionalAction, default=None,
                    help="also run plain target decoding on the same prompts and report the speedup in the summary "
                         "(default: on for readable output with a drafter, off with --json or --output)")
@@ -96,6 +99,8 @@ def summary_line(s: dict) -> str:
         line += f" ({s['processes']} processes, {s['layout']} layout)"
     if "mean_acceptance_length" in s:
         line += f", mean tau {s['mean_acceptance_length']:.2f}"
+        if s.get("plain_steps"):
+            line += f" ({s['rounds']} rounds, {s['plain_steps']} plain steps)"
     if "speedup" in s:
         line += f"; plain decoding {s['ar_aggregate_tokens_per_s']:.1f} tokens/s: speedup {s['speedup']:.2f}x"
     if s["skipped"]:

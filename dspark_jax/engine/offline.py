@@ -60,9 +60,11 @@ class Speculative:
         args.scheduler, self.gamma = drafter_settings(args, self.dcfg)
         self.dparams = jax.tree.map(lambda a: jnp.asarray(a, target.config.dtype), self.loaded.params)
         self.policy = args.scheduler.replace("-", "_")
-        # Every policy but "fixed" verifies fewer tokens than R x (gamma + 1): flatten them into buckets.
+        self.plain_steps = getattr(args, "plain_steps", False) is True  # resolved by `resolve`
+        # Every policy but "fixed" verifies fewer tokens than R x (gamma + 1), and a plain step verifies
+        # one per row: flatten them into buckets.
         self.buckets = None
-        if self.policy != "fixed":
+        if self.policy != "fixed" or self.plain_steps:
             from dspark_jax.engine.sps import token_buckets
 
             self.buckets = token_buckets(args.batch_size * (self.gamma + 1))
@@ -78,7 +80,8 @@ class Speculative:
             max_len = pad_prompts(self.target.config, prompts, self.args.max_new_tokens, slack=self.gamma + 1)[2]
             sps = sps_table(self.args, self.target, self.dcfg, self.dparams, self.gamma, max_len, self.buckets)
         return SpecConfig(gamma=self.gamma, sampling=sampling, policy=self.policy, threshold=self.args.threshold,
-                          stop_ids=tuple(self.target.tokenizer.eos_token_ids), sps=sps, verify_buckets=self.buckets)
+                          stop_ids=tuple(self.target.tokenizer.eos_token_ids), sps=sps, verify_buckets=self.buckets,
+                          plain_steps=self.plain_steps)
 
     def __call__(self, batch, sampling, seed, progress: bool | None = None):
         from dspark_jax.engine.speculative import speculative_generate
@@ -253,7 +256,7 @@ def generation_settings(args, target_name: str) -> dict:
                 "top_p": args.top_p, "seed": args.seed,
                 "drafter": args.drafter if args.drafter == "none" else os.path.abspath(args.drafter)}
     if args.drafter != "none":
-        settings.update(scheduler=args.scheduler, gamma=args.gamma)
+        settings.update(scheduler=args.scheduler, gamma=args.gamma, plain_steps=getattr(args, "plain_steps", False))
         if args.scheduler == "threshold":
             settings["threshold"] = args.threshold
     return settings
@@ -416,12 +419,12 @@ def run_engine(args, target, speculative: Speculative | None, requests: list[Req
     decoding, or speculative with `speculative`. on_result(request, token_ids, stats) as each
     completes (stats: "wall_s", and the speculative totals); on_progress(tokens, seconds) now and
     then. Returns the run's totals: wall_s and compile_s (excluded from wall_s), tokens, and for
-    speculative decoding rounds and tau_sum (over every request's rounds)."""
+    speculative decoding rounds, tau_sum (over every request's rounds) and plain_steps."""
     from dspark_jax.engine.generate import bucket, generate, serve
 
     stops = target.tokenizer.eos_token_ids
     slots = args.max_batch
-    totals = {"wall_s": 0.0, "compile_s": 0.0, "tokens": 0, "rounds": 0, "tau_sum": 0}
+    totals = no_totals()
     done = [0, 0.0]  # tokens and seconds of the engine calls finished so far
 
     def progress(tokens, seconds):
@@ -432,6 +435,7 @@ def run_engine(args, target, speculative: Speculative | None, requests: list[Req
         totals["tokens"] += len(ids)
         totals["rounds"] += stats.get("rounds", 0)
         totals["tau_sum"] += stats.get("tau_sum", 0)
+        totals["plain_steps"] += stats.get("plain_steps", 0)
         if on_result is not None:
             on_result(request, ids, stats)
 
@@ -493,7 +497,8 @@ def make_record(request: Request, ids: list[int], stats: dict, target, max_batch
     if "rounds" in stats:
         record.update(acceptance_length=round(stats["tau_sum"] / stats["rounds"], 4) if stats["rounds"] else 1.0,
                       rounds=stats["rounds"], verified_tokens=stats["verified_tokens"],
-                      position_reached=stats["position_reached"], position_accepted=stats["position_accepted"])
+                      position_reached=stats["position_reached"], position_accepted=stats["position_accepted"],
+                      plain_steps=stats.get("plain_steps", 0))
     return record
 
 
@@ -567,7 +572,10 @@ def resolve(args, count: int) -> str:
     if args.compare_ar is None:
         args.compare_ar = args.drafter != "none" and not args.json and not args.output
     if args.drafter != "none":
+        automatic = args.scheduler == "auto"
         args.scheduler, args.gamma = drafter_settings(args, read_drafter_config(args.drafter))
+        choice = getattr(args, "plain_steps", "auto")
+        args.plain_steps = automatic if choice == "auto" else choice in ("on", True)
     return target_name
 
 
@@ -600,11 +608,11 @@ def shard_target(target) -> dict:
     return dict(mesh.shape)
 
 
-TOTALS = ("wall_s", "compile_s", "tokens", "rounds", "tau_sum")
+TOTALS = ("wall_s", "compile_s", "tokens", "rounds", "tau_sum", "plain_steps")
 
 
 def no_totals() -> dict:
-    return {"wall_s": 0.0, "compile_s": 0.0, "tokens": 0, "rounds": 0, "tau_sum": 0}
+    return {"wall_s": 0.0, "compile_s": 0.0, "tokens": 0, "rounds": 0, "tau_sum": 0, "plain_steps": 0}
 
 
 def combined_totals(totals: dict, layout: str) -> tuple[dict, list[float]]:
@@ -614,8 +622,8 @@ def combined_totals(totals: dict, layout: str) -> tuple[dict, list[float]]:
     same tokens, so they are process 0's."""
     every = gather.allgather_json({k: totals[k] for k in TOTALS})
     walls = [t["wall_s"] for t in every]
-    out = dict(every[0]) if layout == "tensor" else {k: sum(t[k] for t in every) for k in ("tokens", "rounds",
-                                                                                           "tau_sum")}
+    out = dict(every[0]) if layout == "tensor" else {k: sum(t[k] for t in every) for k in (
+        "tokens", "rounds", "tau_sum", "plain_steps")}
     out.update(wall_s=max(walls), compile_s=max(t["compile_s"] for t in every))
     return out, walls
 
@@ -726,7 +734,8 @@ def decode_prompts(args) -> dict:
     if mesh is not None:
         summary["mesh"] = mesh
     if speculative is not None:
-        summary.update(scheduler=args.scheduler, gamma=args.gamma, rounds=totals["rounds"],
+        summary.update(scheduler=args.scheduler, gamma=args.gamma, plain_steps=totals["plain_steps"],
+                       rounds=totals["rounds"],
                        mean_acceptance_length=round(totals["tau_sum"] / totals["rounds"], 4) if totals["rounds"] else 1.0)
     if ar is not None and ar["wall_s"]:
         summary.update(ar_wall_s=round(ar["wall_s"], 4),
