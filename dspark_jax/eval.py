@@ -21,6 +21,7 @@ import sys
 
 from dspark_jax.core.cli import POSITIVE_INT, ArgumentParser, flag, run_cli, setting_flag
 from dspark_jax.core.errors import UserError
+from dspark_jax.distributed import gather, runtime
 from dspark_jax.evaluation import benchmark
 from dspark_jax.evaluation import report as report_files
 from dspark_jax.evaluation.benchmark import DEFAULT_SETS, DEFAULT_THRESHOLDS, OTHER
@@ -56,6 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bins", type=POSITIVE_INT, default=10, help="equal-width bins for ECE and reliability diagrams")
     p.add_argument("--out", required=True, help="results folder (eval.json, eval.md, *.png)")
     p.add_argument("--no-progress", action="store_true")
+    runtime.add_distributed_flags(p)
     args = p.parse_args(argv)
     try:
         args.thresholds = [float(h) for h in args.thresholds.split(",") if h.strip()]
@@ -69,8 +71,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 @run_cli
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    runtime.initialize(args)  # before anything touches devices
     report, benches = benchmark.evaluate(args)
-    plots = report_files.write_report(report, benches, args.out)
+    plots = gather.on_primary(lambda: report_files.write_report(report, benches, args.out))
+    if not gather.is_primary():
+        return 0
     print("\n".join(report_files.table1(report, benches)))
     print(f"\nwrote {os.path.join(args.out, 'eval.json')}, {os.path.join(args.out, 'eval.md')} "
           f"and {len(plots)} plots", flush=True)

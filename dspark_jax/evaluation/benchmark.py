@@ -1,5 +1,9 @@
 """Evaluating drafters (`python -m dspark_jax.eval`): benchmarks, per-group metrics of full-length
 rounds, the comparison with a baseline (the paper's Table 1) and the whole run.
+
+In a multi-process run every process evaluates with the same settings: the batches of each
+benchmark are shared out between the processes and their rounds gathered back in batch order
+(`rounds.collect_rounds`), so every process computes the report of a one-process run.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import sys
 import numpy as np
 
 from dspark_jax.core.errors import UserError
+from dspark_jax.distributed import gather
 from dspark_jax.evaluation.rounds import collect_rounds, pool_rounds
 
 DEFAULT_SETS = "gsm8k,math500,humaneval,mbpp,arena-hard-v2"
@@ -163,7 +168,7 @@ def evaluate_drafter(args, target, label: str, path: str, loaded, gamma: int, be
         temps = np.asarray(loaded.sts_temperatures[:gamma], dtype=np.float64)
     per_bench = {}
     for b in benches:
-        if not args.no_progress:
+        if not args.no_progress and gather.is_primary():
             print(f"[{label}] {b.name}: {len(b.prompts)} prompts", file=sys.stderr, flush=True)
         per_bench[b.name] = collect_rounds(target, loaded, b.prompts, max_new_tokens=args.max_new_tokens,
                                            temperature=args.temperature, batch_size=args.batch_size,
@@ -212,7 +217,34 @@ def comparison(results: dict, baseline: str, benches: list[Bench]) -> dict:
 
 def evaluate(args) -> tuple[dict, list[Bench]]:
     """The whole evaluation `python -m dspark_jax.eval` runs (args: its settings): every drafter on
-    every benchmark, checked before the target loads. Returns the report (JSON-able) and the benchmarks."""
+    every benchmark, checked before the target loads. Returns the report (JSON-able) and the benchmarks.
+
+    Several processes each call this with the same settings and all get the same report; a
+    UserError on any process (settings, files, the target) is raised on every one."""
+    from dspark_jax.evaluation.calibration import to_jsonable
+
+    drafter_paths, baseline, benches, loaded, gammas, target = gather.everywhere(lambda: prepare(args))
+    results = {label: evaluate_drafter(args, target, label, drafter_paths[label], d, gammas[label], benches)
+               for label, d in loaded.items()}
+    settings = {"target": target.name, "scheduler": "fixed", "temperature": args.temperature,
+                "max_new_tokens": args.max_new_tokens, "limit": args.limit, "batch_size": args.batch_size,
+                "seed": args.seed, "dtype": args.dtype, "gamma": args.gamma, "bins": args.bins,
+                "thresholds": args.thresholds}
+    if gather.process_count() > 1:  # the numbers are those of one process: this is how they were made
+        settings["processes"] = gather.process_count()
+    report = {
+        "settings": settings,
+        "benchmarks": [{"name": b.name, "domain": b.domain, "source": b.source, "prompts": len(b.prompts)}
+                       for b in benches],
+        "drafters": results,
+        "comparison": comparison(results, baseline, benches),
+    }
+    return to_jsonable(report), benches
+
+
+def prepare(args):
+    """Everything before decoding, checked before the target loads: (drafter paths by label, the
+    baseline's label, the benchmarks, the loaded drafters, their gamma, the target)."""
     drafter_paths = parse_drafters(args.drafters)
     baseline = args.baseline or next(iter(drafter_paths))
     if baseline not in drafter_paths:
@@ -221,7 +253,6 @@ def evaluate(args) -> tuple[dict, list[Bench]]:
 
     from dspark_jax.checkpoints import registry
     from dspark_jax.drafters.checkpoint import load_drafter, read_drafter_config
-    from dspark_jax.evaluation.calibration import to_jsonable
 
     configs = {label: read_drafter_config(path) for label, path in drafter_paths.items()}  # their JSON only
     gammas = {label: drafter_gamma(args, label, dcfg) for label, dcfg in configs.items()}
@@ -230,20 +261,7 @@ def evaluate(args) -> tuple[dict, list[Bench]]:
     for d in loaded.values():
         d.config.check_target(target.config, target.name)
     check_prompts(target, benches, args.max_new_tokens)
-    if len(set(gammas.values())) > 1 and not args.no_progress:
+    if len(set(gammas.values())) > 1 and not args.no_progress and gather.is_primary():
         print(f"note: the drafters verify different gamma ({gammas}); pass --gamma for a like-for-like comparison",
               file=sys.stderr)
-
-    results = {label: evaluate_drafter(args, target, label, drafter_paths[label], d, gammas[label], benches)
-               for label, d in loaded.items()}
-    report = {
-        "settings": {"target": target.name, "scheduler": "fixed", "temperature": args.temperature,
-                     "max_new_tokens": args.max_new_tokens, "limit": args.limit, "batch_size": args.batch_size,
-                     "seed": args.seed, "dtype": args.dtype, "gamma": args.gamma, "bins": args.bins,
-                     "thresholds": args.thresholds},
-        "benchmarks": [{"name": b.name, "domain": b.domain, "source": b.source, "prompts": len(b.prompts)}
-                       for b in benches],
-        "drafters": results,
-        "comparison": comparison(results, baseline, benches),
-    }
-    return to_jsonable(report), benches
+    return drafter_paths, baseline, benches, loaded, gammas, target
