@@ -8,6 +8,10 @@ confidence logits and accepted length, fits per-position temperatures left to ri
 in the drafter checkpoint, and writes a report (JSON) plus reliability diagrams (PNG): ECE and
 ROC-AUC per position before and after. Half the rounds fit the temperatures, the other half
 measure them, so the "after" numbers are out of sample.
+
+Several processes (the multi-process flags, `dspark_jax.distributed.runtime`), each started with
+the same command, share the decoding: batch b on process b % N with its one-process prompts and
+seed, the rounds gathered back in batch order; process 0 alone fits, writes and prints.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import json
 import sys
 
 from dspark_jax.core.cli import POSITIVE_INT, ArgumentParser, flag, run_cli, setting_flag
+from dspark_jax.distributed import gather, runtime
 from dspark_jax.evaluation import sts_fit
 
 
@@ -41,10 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=flag(int, ge=0, lt=2**32), default=0)
     p.add_argument("--out", default=None, help="report folder (default: DRAFTER/calibration)")
     p.add_argument("--no-progress", action="store_true")
+    runtime.add_distributed_flags(p)
     args = p.parse_args(argv)
+    runtime.initialize(args)  # before anything touches devices
 
     summary = sts_fit.calibrate_drafter(args)
-    print(json.dumps(summary))
+    if gather.is_primary():
+        print(json.dumps(summary))
     return 0
 
 
