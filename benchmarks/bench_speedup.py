@@ -42,8 +42,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-sizes", type=common.int_list, default=[1, 8], help="comma-separated, e.g. 1,8")
     p.add_argument("--temperatures", type=common.float_list, default=[0.0, 1.0], help="comma-separated; 0 = greedy")
-    p.add_argument("--scheduler", default="fixed", choices=common.SCHEDULERS,
-                   help="verification policy (docs/decoding.md)")
+    p.add_argument("--scheduler", default="fixed", choices=("auto",) + common.SCHEDULERS,
+                   help="verification policy (docs/decoding.md); auto = decode's default for the batch size")
+    p.add_argument("--plain-steps", default="off", choices=["on", "off"],
+                   help="plain target steps while drafts do not pay (decode --plain-steps; decode's default with "
+                        "--scheduler auto is on)")
     common.add_speculative_args(p, out="benchmarks/results/speedup.md")
     args = p.parse_args(argv)
     args.domains = common.choose(args.domains, common.DOMAINS, "domain")
@@ -86,7 +89,7 @@ def run_cell(target, runner, batches, temperature: float, args, bar, flip: int) 
 
     sampling = SamplingConfig(temperature)
     stop_ids = target.tokenizer.eos_token_ids
-    plain, spec, taus = Totals(), Totals(), []
+    plain, spec, taus, plain_steps = Totals(), Totals(), [], 0
     for i, batch in enumerate(batches):
         seed = args.seed + i
         for side in ("plain", "spec") if (i + flip) % 2 == 0 else ("spec", "plain"):  # A/B, then B/A
@@ -97,13 +100,14 @@ def run_cell(target, runner, batches, temperature: float, args, bar, flip: int) 
                 result = runner(batch, sampling, seed)
                 spec.add(result)
                 taus.append(result.acceptance_lengths())
+                plain_steps += result.plain_steps
             bar.update(1)
     taus = np.concatenate(taus)
     p, s = plain.summary(), spec.summary()
     row = {"prompts": plain.rows, "plain": p, "speculative": s,
            "speedup": s["tokens_per_s"] / p["tokens_per_s"],
            "decode_speedup": s["decode_tokens_per_s"] / p["decode_tokens_per_s"],
-           "tau": float(taus.mean()), "rounds": int(taus.size)}
+           "tau": float(taus.mean()) if taus.size else 1.0, "rounds": int(taus.size), "plain_steps": plain_steps}
     if temperature == 0:
         row["greedy_identical_rows"] = sum(a == b for a, b in zip(plain.token_ids, spec.token_ids))
     return row
@@ -138,25 +142,27 @@ def plot(rows: list[dict], path: str) -> None:
 
 def markdown(rows: list[dict], args, png: str) -> str:
     md = [("| domain | batch | T | prompts | tokens plain / spec | plain tok/s | spec tok/s | speedup | "
-           "decode-only speedup | tau | greedy rows identical |"),
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "decode-only speedup | tau | rounds / plain steps | greedy rows identical |"),
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         p, s = r["plain"], r["speculative"]
         same = f"{r['greedy_identical_rows']}/{r['prompts']}" if "greedy_identical_rows" in r else "-"
         md.append(f"| {r['domain']} | {r['batch']} | {r['temperature']:g} | {r['prompts']} | {p['tokens']} / "
                   f"{s['tokens']} | {p['tokens_per_s']:.1f} | {s['tokens_per_s']:.1f} | **{r['speedup']:.2f}x** | "
-                  f"{r['decode_speedup']:.2f}x | {r['tau']:.2f} | {same} |")
+                  f"{r['decode_speedup']:.2f}x | {r['tau']:.2f} | {r['rounds']} / {r.get('plain_steps', 0)} | {same} |")
     goal = [r for r in rows if r["batch"] == 1 and r["domain"] in ("math", "code")]
     if goal:
         met = ", ".join(f"{r['domain']} T={r['temperature']:g}: {r['speedup']:.2f}x" for r in goal)
         md.append(f"\nGoal >= 2x at batch 1 on math and code: {met}.")
-    md.append(f"\nTarget {args.target}, drafter `{args.drafter}`, scheduler `{args.scheduler}`, "
+    md.append(f"\nTarget {args.target}, drafter `{args.drafter}`, scheduler `{args.scheduler}`, plain steps "
+              f"{args.plain_steps}, "
               f"up to {args.max_new_tokens} new tokens (stop at EOS), prompts of the eval split "
               f"(math = gsm8k + math500, code = humaneval + mbpp, chat = arena-hard-v2; chat template applied; "
               f"prompts over {args.max_prompt_tokens} tokens skipped). Both sides decode the same batches in "
               "one process, alternating which goes first. tokens/s = tokens / (prefill + decode) summed over "
               "the cell's batches; decode-only leaves the prefill (and the first token it yields) out; XLA "
-              "compilation excluded (in the JSON). tau = tokens per speculative round, bonus included.\n")
+              "compilation excluded (in the JSON). tau = tokens per speculative round, bonus included; rounds / plain "
+              "steps = the speculative side's rounds (counted per row) and its plain target steps (per batch).\n")
     md.append(f"![speedup and tau per cell]({os.path.basename(png)})\n")
     return "\n".join(md)
 
@@ -168,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
 
     target = common.load_benchmark_target(args)
     runners = {b: common.speculative_runner(args, target, scheduler=args.scheduler, batch_size=b,
-                                     profile_sps=args.profile_sps) for b in args.batch_sizes}
+                                            profile_sps=args.profile_sps, plain_steps=args.plain_steps == "on")
+               for b in args.batch_sizes}
     prompts = {d: common.eval_prompts(target.tokenizer, common.DOMAINS[d], args.limit, args.max_prompt_tokens)
                for d in args.domains}
     work = [(d, b, t) for d in args.domains for b in args.batch_sizes for t in args.temperatures]
@@ -185,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                        f"tau {row['tau']:.2f}")
     _, _, (png,) = common.output_paths(args.out, "")
     plot(rows, png)
-    common.write_benchmark(args, ("target", "drafter", "scheduler", "gamma", "threshold", "limit", "max_new_tokens",
+    common.write_benchmark(args, ("target", "drafter", "scheduler", "plain_steps", "gamma", "threshold", "limit",
+                           "max_new_tokens",
                            "max_prompt_tokens", "seed"), rows, markdown(rows, args, png))
     return 0
 

@@ -92,19 +92,25 @@ def choose(text: str, known, what: str) -> list[str]:
     return chosen
 
 
-SCHEDULERS = ("fixed", "mtp1", "threshold", "dspark", "dspark-async")  # `decode --scheduler` choices
+SCHEDULERS = ("fixed", "mtp1", "threshold", "dspark", "dspark-async")  # `decode --scheduler` choices but auto
 
-def speculative_runner(args, target, *, scheduler: str, batch_size: int, profile_sps: bool = False):
+
+def speculative_runner(args, target, *, scheduler: str, batch_size: int, profile_sps: bool = False,
+                       plain_steps: bool = False):
     """The run of `python -m dspark_jax.decode --drafter ...` (dspark_jax.engine.offline.load_speculative):
     a function (prompt batch, SamplingConfig, seed) -> SpecResult. `args` supplies drafter, gamma,
     threshold and max_new_tokens; the dspark schedulers' SPS table is the one `decode` keeps for
-    this batch size under .dspark_cache/ (profiled when missing or when `profile_sps`)."""
-    from dspark_jax.engine.offline import load_speculative
+    this batch size under .dspark_cache/ (profiled when missing or when `profile_sps`). scheduler
+    "auto" is decode's default for this drafter and batch size; plain_steps as `decode --plain-steps on`."""
+    from dspark_jax.drafters.checkpoint import read_drafter_config
+    from dspark_jax.engine.offline import auto_scheduler, load_speculative
 
+    if scheduler == "auto":
+        scheduler = auto_scheduler(read_drafter_config(args.drafter), batch_size)
     return load_speculative(argparse.Namespace(
         drafter=args.drafter, scheduler=scheduler, gamma=args.gamma, threshold=args.threshold,
         batch_size=batch_size, max_new_tokens=args.max_new_tokens, json=True, sps_table=None,
-        profile_sps=profile_sps), target)
+        profile_sps=profile_sps, plain_steps=plain_steps), target)
 
 
 def share_compiled_programs() -> None:

@@ -19,7 +19,6 @@ from test_speculative import (
     round_counts,
 )
 
-from dspark_jax.core.config_checks import ConfigError
 from dspark_jax.drafters.dspark import init_drafter_params
 from dspark_jax.engine.fallback import PROBE_EVERY, PROBE_EVERY_MAX, PlainStepGate
 from dspark_jax.engine.generate import generate
@@ -36,9 +35,9 @@ class ScriptedGate(PlainStepGate):
         super().__init__()
         self.pattern, self.step = pattern, 0
 
-    def plain_now(self) -> bool:
+    def plain_run_length(self) -> int:
         self.step += 1
-        return self.pattern(self.step)
+        return int(self.pattern(self.step))  # one step at a time
 
 
 class PricedGate(PlainStepGate):
@@ -52,11 +51,12 @@ class PricedGate(PlainStepGate):
     def observe_round(self, seconds, tokens_per_request):
         super().observe_round(self.costs[0], tokens_per_request)
 
-    def observe_plain(self, seconds):
-        super().observe_plain(self.costs[1])
+    def observe_plain(self, seconds, steps=1):
+        super().observe_plain(self.costs[1] * steps, steps)
 
 
 def bucketed(**kw) -> SpecConfig:
+    """Rounds verify through the flattened, token-bucketed pass (the dspark schedulers' layout)."""
     return SpecConfig(gamma=4, verify_buckets=token_buckets(3 * 5), **kw)
 
 
@@ -106,7 +106,8 @@ def test_sampling_with_plain_steps_is_lossless(sampling):
     """The first 6 sampled tokens (6000 samples, 3 prompts) follow the target's conditionals exactly
     with rounds and plain steps alternating: position 0 is the prefill's sample, the others come
     from rounds (rejection sampling) or from plain steps. Power, on these seeds: a plain step that
-    "verifies" its anchor as a draft token of probability one (num_draft 1, q = 1) fails the check."""
+    samples from the raw target distribution (temperature, top-k and top-p not applied) fails the
+    top-k/top-p case at positions 2-5 (p-values ~0)."""
     dcfg, dparams = drafter()
     prompts = SAMPLING_PROMPTS * 2000
     gate = ScriptedGate(ALTERNATE)
@@ -133,6 +134,7 @@ def test_a_drafter_that_never_pays_falls_back_to_plain_steps():
     assert got.acceptance_lengths().mean() < 1.3  # the drafter really does not pay
     assert gate.plain_steps > 0.85 * (gate.plain_steps + gate.rounds), (gate.plain_steps, gate.rounds)
     assert gate.probe_every > PROBE_EVERY  # the probes lost, so they became rarer
+    assert max(r["plain"] for r in got.rounds) == 8  # runs of plain steps go through one program each
 
 
 def test_a_drafter_that_pays_keeps_drafting():
@@ -201,10 +203,12 @@ def test_sps_table_keeps_the_plain_step_cost(tmp_path):
         SPSTable(buckets=(1,), sps=(1.0,), plain_sps=0.0)
 
 
-def test_plain_steps_need_the_flattened_verify():
-    with pytest.raises(ConfigError, match="plain_steps needs verify_buckets"):
-        SpecConfig(gamma=4, plain_steps=True)
-    cfg = SpecConfig(gamma=4, plain_steps=True, verify_buckets=(4, 8, 15), policy="dspark", sps=SPS)
+@pytest.mark.parametrize("buckets", [None, (4, 8, 15)], ids=["padded", "flattened"])
+def test_the_engine_builds_its_own_gate(buckets):
+    """SpecConfig(plain_steps=True) without a gate: the engine's own (timed on this machine, so the
+    mix of rounds and plain steps varies), with either verify layout; the output is the target's."""
+    cfg = SpecConfig(gamma=4, plain_steps=True, verify_buckets=buckets, policy="dspark", sps=SPS)
     dcfg, dparams = drafter()
-    got = speculative_generate(TARGET, TCFG, dparams, dcfg, PROMPTS, max_new_tokens=12, cfg=cfg)  # the real gate
+    got = speculative_generate(TARGET, TCFG, dparams, dcfg, PROMPTS, max_new_tokens=12, cfg=cfg)
     assert got.token_ids == generate(TARGET, TCFG, PROMPTS, max_new_tokens=12).token_ids
+    assert got.plain_steps >= 1  # the gate measures a plain step early on

@@ -61,9 +61,9 @@ def drafter(head="markov", confidence=True):
 
 def round_counts(result) -> tuple[int, int]:
     """(rounds that accepted at least one draft token, rounds that rejected a verified draft token)."""
-    active = [r["active"] for r in result.rounds]
-    accepted = np.concatenate([r["accepted"][a] for r, a in zip(result.rounds, active)])
-    num_draft = np.concatenate([r["num_draft"][a] for r, a in zip(result.rounds, active)])
+    rounds = [r for r in result.rounds if not r.get("plain", 0)]  # plain target steps are not rounds
+    accepted = np.concatenate([r["accepted"][r["active"]] for r in rounds])
+    num_draft = np.concatenate([r["num_draft"][r["active"]] for r in rounds])
     return int((accepted > 0).sum()), int((accepted < num_draft).sum())
 
 
@@ -252,7 +252,7 @@ def test_continuous_batching_refills_slots_and_stays_lossless(policy):
 def test_sps_profile_times_the_draft_with_the_verify(monkeypatch):
     """With the drafter's params, every timed call runs the drafter's pass and the verify pass of
     its bucket (SPS = 1 / round cost); without, the verify pass alone. Then the plain step (the
-    verify pass of one token per row, no draft) is timed on its own and kept as plain_sps."""
+    target's pass over one token per row, no draft) is timed on its own and kept as plain_sps."""
     from dspark_jax.engine import sps as sps_module
     from dspark_jax.engine.speculative import Drafted, profile_verify
 
@@ -269,8 +269,8 @@ def test_sps_profile_times_the_draft_with_the_verify(monkeypatch):
     assert table.buckets == (1, 2, 4, 8, 10) and buckets == (1, 2, 4, 8, 10)
     for (drafted, (logits, _, _)), n in zip(outputs, buckets):
         assert isinstance(drafted, Drafted) and drafted.tokens.shape == (2, 4) and logits.shape[:2] == (2, 5)
-    assert plain_buckets == (2,) and table.plain_sps == 2.0  # the second call's value
-    assert all(len(out) == 3 and out[0].shape[:2] == (2, 5) for out in plain_outputs)  # no draft in a plain step
+    assert table.plain_sps == 2.0  # the second call's value
+    assert all(len(out) == 3 and out[0].shape[:2] == (2, 1) for out in plain_outputs)  # one token per row, no draft
     calls.clear()
     profile_verify(TARGET, TCFG, dcfg, rows=2, gamma=4, max_len=32, model="m")
     assert all(out[0] is None for out in calls[0][1])

@@ -49,6 +49,15 @@ class PlainStepGate:
         plain = getattr(table, "plain_sps", None)
         return cls(round_s=1.0 / full if full > 0 else None, plain_s=1.0 / plain if plain else None)
 
+    def plain_run_length(self) -> int:
+        """How many plain steps to run next before deciding again (0: a round next). A run ends
+        where the next re-probe is due, so running it in one program changes no decision."""
+        if not self.plain_now():
+            return 0
+        if self.plain_s is None:
+            return 1  # the first one is measured alone
+        return max(1, self.probe_every - self.plain_run)
+
     def plain_now(self) -> bool:
         """Run a plain step (True) or a round (False) next."""
         if self.tau is None or self.round_s is None:
@@ -71,10 +80,13 @@ class PlainStepGate:
         self.plain_run = 0
         self.rounds += 1
 
-    def observe_plain(self, seconds: float) -> None:
-        self.plain_s = _smooth(self.plain_s, seconds)
-        self.plain_run += 1
-        self.plain_steps += 1
+    def observe_plain(self, seconds: float, steps: int = 1) -> None:
+        """`steps` plain steps (run in one program) took `seconds` together."""
+        if steps < 1:
+            return
+        self.plain_s = _smooth(self.plain_s, seconds / steps)
+        self.plain_run += steps
+        self.plain_steps += steps
 
 
 def _smooth(old: float | None, new: float) -> float:

@@ -61,10 +61,9 @@ class Speculative:
         self.dparams = jax.tree.map(lambda a: jnp.asarray(a, target.config.dtype), self.loaded.params)
         self.policy = args.scheduler.replace("-", "_")
         self.plain_steps = getattr(args, "plain_steps", False) is True  # resolved by `resolve`
-        # Every policy but "fixed" verifies fewer tokens than R x (gamma + 1), and a plain step verifies
-        # one per row: flatten them into buckets.
+        # Every policy but "fixed" verifies fewer tokens than R x (gamma + 1): flatten them into buckets.
         self.buckets = None
-        if self.policy != "fixed" or self.plain_steps:
+        if self.policy != "fixed":
             from dspark_jax.engine.sps import token_buckets
 
             self.buckets = token_buckets(args.batch_size * (self.gamma + 1))

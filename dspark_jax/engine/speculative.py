@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from dspark_jax.core.config_checks import relation, setting, validate
+from dspark_jax.core.config_checks import setting, validate
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.engine import drafting
 from dspark_jax.engine import scheduler as S
@@ -54,10 +54,6 @@ class SpecConfig:
     # Run plain target steps instead of rounds while drafts do not pay (engine/fallback.py).
     plain_steps: bool = False
 
-    __relations__ = (relation("plain_steps verify_buckets", lambda plain_steps, verify_buckets:
-                              not plain_steps or verify_buckets is not None,
-                              "plain_steps needs verify_buckets (the plain step is a flattened verify pass)"),)
-
     def __post_init__(self):
         validate(self)
 
@@ -83,7 +79,9 @@ class RoundStats:
     num_draft: jax.Array  # [B] draft tokens verified
     accepted: jax.Array  # [B] draft tokens accepted (tau = accepted + 1)
     confidence_logits: jax.Array  # [B, gamma] raw confidence logits (zeros without a head)
-    plain: jax.Array  # [] bool: a plain target step (no draft) instead of a round (DESIGN.md 3.3b)
+    # [] int32: 0 for a round; else the plain target steps this entry ran instead (DESIGN.md 3.3b), `active`
+    # then counting the steps each row took part in
+    plain: jax.Array
 
 
 def schedule(cfg: SpecConfig, confidence_logits: jax.Array | None, temperatures: jax.Array | None,
@@ -175,8 +173,6 @@ def _target_pass(target_params, *, tcfg: ModelConfig, tap_layers, cache: decoder
 
 def verify_and_commit(target_params, dparams, state: SpecState, drafted: Drafted, *, tcfg: ModelConfig,
                       dcfg: DrafterConfig, cfg: SpecConfig, bucket: int | None = None) -> tuple[SpecState, RoundStats]:
-    g = cfg.gamma
-    B = state.anchor.shape[0]
     active = ~state.done
     draft_tokens, num_draft = drafted.tokens, drafted.num_draft
     verify_tokens = jnp.concatenate([state.anchor[:, None], draft_tokens], axis=1)  # [B, g+1]
@@ -189,17 +185,62 @@ def verify_and_commit(target_params, dparams, state: SpecState, drafted: Drafted
         accepted, bonus = verify_sampled(drafted.verify_key, draft_tokens, drafted.log_probs,
                                          processed_log_probs(target_logits, cfg.sampling), num_draft)
     accepted = jnp.where(active, accepted, 0)
+    # Emit x_1..x_a then the bonus
+    slot = jnp.arange(cfg.gamma + 1)[None, :]
+    emitted = jnp.where(slot < accepted[:, None], jnp.pad(draft_tokens, ((0, 0), (0, 1))), bonus[:, None])
+    new_state = _commit(dparams, dcfg, target_params, state, cache, verify_tokens, taps, emitted, accepted,
+                        drafted.key, drafted.sched, cfg)
+    return new_state, RoundStats(active, num_draft, accepted, drafted.confidence_logits, jnp.zeros((), jnp.int32))
 
-    # Commit x_0..x_a: roll the target cache back to them; their features feed the drafter.
+
+def plain_and_commit(target_params, dparams, state: SpecState, *, tcfg: ModelConfig, dcfg: DrafterConfig,
+                     cfg: SpecConfig) -> SpecState:
+    """A plain target decode step in place of a round (DESIGN.md 3.3b): no drafter pass; the target
+    reads the anchor alone and emits its own next token (argmax, or a draw from its processed
+    distribution, as plain decoding does), and the anchor's features go to the drafter's context
+    as a round would commit them, so a later round drafts from the whole prefix."""
+    active = ~state.done
+    key, _, k_sample = jax.random.split(state.key, 3)  # as a round splits it
+    verify_tokens = state.anchor[:, None]  # [B, 1]
+    target_logits, taps, cache = _target_pass(target_params, tcfg=tcfg, tap_layers=dcfg.tap_layers, cache=state.cache,
+                                              verify_tokens=verify_tokens, num_new=active.astype(jnp.int32),
+                                              bucket=None)
+    token = sample(k_sample, target_logits[:, 0], cfg.sampling)
+    return _commit(dparams, dcfg, target_params, state, cache, verify_tokens, taps, token[:, None],
+                   jnp.zeros_like(state.num_generated), key, state.sched, cfg)
+
+
+def plain_steps(target_params, dparams, state: SpecState, *, tcfg: ModelConfig, dcfg: DrafterConfig,
+                cfg: SpecConfig, steps: int) -> tuple[SpecState, RoundStats]:
+    """Up to `steps` plain target steps in one program (stopping early once every row is done), so a
+    run of them costs what plain decoding's chunks cost: no host round trip per token."""
+    def more(carry):
+        i, s, _ = carry
+        return (i < steps) & ~jnp.all(s.done)
+
+    def step(carry):
+        i, s, took = carry
+        return i + 1, plain_and_commit(target_params, dparams, s, tcfg=tcfg, dcfg=dcfg, cfg=cfg), took + ~s.done
+
+    B = state.anchor.shape[0]
+    ran, state, took = jax.lax.while_loop(more, step, (jnp.int32(0), state, jnp.zeros((B,), jnp.int32)))
+    zeros = jnp.zeros((B,), jnp.int32)
+    return state, RoundStats(took, zeros, zeros, jnp.zeros((B, cfg.gamma), jnp.float32), ran)
+
+
+def _commit(dparams, dcfg: DrafterConfig, target_params, state: SpecState, cache: decoder.KVCache, verify_tokens,
+            taps, emitted, accepted, key, sched, cfg: SpecConfig) -> SpecState:
+    """The end of a step: keep x_0..x_a of the verify tokens (the target cache rolls back to them,
+    their features feed the drafter) and emit emitted[:, :a+1] (accepted drafts, then the bonus or
+    the plain step's token); a stop token or the budget may end the row inside them."""
+    B, width = emitted.shape
+    active = ~state.done
     committed = jnp.where(active, accepted + 1, 0)
     cache = dataclasses.replace(cache, lengths=state.cache.lengths + committed)
     draft = drafting.commit(dparams, dcfg, target_params, state.draft, verify_tokens, taps, committed, active)
-
-    # Emit x_1..x_a then the bonus; a stop token or the budget may end the row inside the block.
-    slot = jnp.arange(g + 1)[None, :]
-    emitted = jnp.where(slot < accepted[:, None], jnp.pad(draft_tokens, ((0, 0), (0, 1))), bonus[:, None])
-    in_round = slot <= accepted[:, None]
-    stops = stop_mask(emitted, cfg.stop_ids) & in_round
+    slot = jnp.arange(width)[None, :]
+    in_step = slot <= accepted[:, None]
+    stops = stop_mask(emitted, cfg.stop_ids) & in_step
     first_stop = jnp.where(jnp.any(stops, -1), jnp.argmax(stops, -1) + 1, accepted + 1)
     budget = state.max_new - state.num_generated
     count = jnp.where(active, jnp.minimum(first_stop, budget), 0)
@@ -208,26 +249,8 @@ def verify_and_commit(target_params, dparams, state: SpecState, drafted: Drafted
     output = state.output.at[rows, write_at].set(emitted, mode="drop")
     num_generated = state.num_generated + count
     done = state.done | (active & jnp.any(stops, -1)) | (num_generated >= state.max_new)
-
-    stats = RoundStats(active, num_draft, accepted, drafted.confidence_logits, jnp.zeros((), bool))
-    new_state = SpecState(cache, draft, bonus, output, num_generated, done, state.max_new, drafted.key, drafted.sched)
-    return new_state, stats
-
-
-def plain_and_commit(target_params, dparams, state: SpecState, *, tcfg: ModelConfig, dcfg: DrafterConfig,
-                     cfg: SpecConfig, bucket: int | None = None) -> tuple[SpecState, RoundStats]:
-    """A plain target step in the round's clothes: no drafter pass, nothing drafted, so the verify
-    pass over the anchor alone emits the target's own next token (its argmax, or a draw from its
-    processed distribution: rejection sampling with no draft token is plain sampling) and commits
-    the anchor's features to the drafter's context as a round would (DESIGN.md 3.3b)."""
-    B, g = state.anchor.shape[0], cfg.gamma
-    key, _, k_verify = jax.random.split(state.key, 3)  # as a round splits it
-    nothing = Drafted(tokens=jnp.zeros((B, g), jnp.int32), log_probs=jnp.zeros((B, g, tcfg.vocab_size), jnp.float32),
-                      confidence_logits=jnp.zeros((B, g), jnp.float32), num_draft=jnp.zeros((B,), jnp.int32),
-                      sched=state.sched, key=key, verify_key=k_verify)
-    state, stats = verify_and_commit(target_params, dparams, state, nothing, tcfg=tcfg, dcfg=dcfg, cfg=cfg,
-                                     bucket=bucket)
-    return state, dataclasses.replace(stats, plain=jnp.ones((), bool))
+    bonus = emitted[jnp.arange(B), accepted]  # the last emitted token: the next step's anchor
+    return SpecState(cache, draft, bonus, output, num_generated, done, state.max_new, key, sched)
 
 
 _STATIC = ("tcfg", "dcfg", "cfg")
@@ -243,7 +266,8 @@ def spec_round(target_params, dparams, state: SpecState, temperatures, *, tcfg: 
 
 spec_draft = jax.jit(draft_and_schedule, static_argnames=_STATIC)
 spec_verify = jax.jit(verify_and_commit, static_argnames=_STATIC + ("bucket",), donate_argnames=("state",))
-spec_plain = jax.jit(plain_and_commit, static_argnames=_STATIC + ("bucket",), donate_argnames=("state",))
+spec_plain = jax.jit(plain_steps, static_argnames=_STATIC + ("steps",), donate_argnames=("state",))
+PLAIN_CHUNKS = (1, 2, 4, 8)  # plain steps one program runs: the gate's run of them, in these pieces
 
 
 @dataclasses.dataclass
@@ -255,12 +279,12 @@ class SpecResult(GenerationResult):
 
     def acceptance_lengths(self) -> np.ndarray:
         """tau (accepted + bonus) of every (round, active row)."""
-        taus = [r["accepted"][r["active"]] + 1 for r in self.rounds if not r.get("plain", False)]
+        taus = [r["accepted"][r["active"]] + 1 for r in self.rounds if not r.get("plain", 0)]
         return np.concatenate(taus) if taus else np.zeros(0)
 
     @property
     def plain_steps(self) -> int:
-        return sum(bool(r.get("plain", False)) for r in self.rounds)
+        return sum(int(r.get("plain", 0)) for r in self.rounds)
 
 
 def round_program(target_params, dparams, state_shape, temps, *, tcfg: ModelConfig, dcfg: DrafterConfig,
@@ -268,38 +292,37 @@ def round_program(target_params, dparams, state_shape, temps, *, tcfg: ModelConf
     """Compile one decoding step for states shaped like `state_shape`: a round with the padded
     [B, g+1] verify, or, with cfg.verify_buckets, draft + a flattened verify padded to the smallest
     bucket that holds this round's scheduled tokens (the host reads the count and picks the
-    program). With a `gate` (needs verify buckets), each step is a round or a plain target step as
-    the gate decides from the steps before it, and what the step cost is reported back to it."""
+    program). With a `gate`, each step is a round or a plain target step as the gate decides from
+    the steps before it, and what the step cost is reported back to it."""
     statics = dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg)
     if cfg.verify_buckets is None:
-        if gate is not None:
-            raise ValueError("plain steps need verify buckets (SpecConfig.verify_buckets)")
-        return compiled(spec_round, (target_params, dparams, state_shape, temps), statics)
-    rows = state_shape.anchor.shape[0]
-    if cfg.verify_buckets[-1] < rows * (cfg.gamma + 1):
-        raise ValueError(f"verify buckets {cfg.verify_buckets} do not cover {rows} x (gamma + 1) tokens")
-    run_draft = compiled(spec_draft, (target_params, dparams, state_shape, temps), statics)
-    run_verify = {n: compiled(spec_verify, (target_params, dparams, state_shape, run_draft.out_info),
-                              dict(statics, bucket=n)) for n in cfg.verify_buckets}
+        run_round = compiled(spec_round, (target_params, dparams, state_shape, temps), statics)
+    else:
+        rows = state_shape.anchor.shape[0]
+        if cfg.verify_buckets[-1] < rows * (cfg.gamma + 1):
+            raise ValueError(f"verify buckets {cfg.verify_buckets} do not cover {rows} x (gamma + 1) tokens")
+        run_draft = compiled(spec_draft, (target_params, dparams, state_shape, temps), statics)
+        run_verify = {n: compiled(spec_verify, (target_params, dparams, state_shape, run_draft.out_info),
+                                  dict(statics, bucket=n)) for n in cfg.verify_buckets}
 
-    def run_round(target_params, dparams, state, temps):
-        drafted = run_draft(target_params, dparams, state, temps)
-        scheduled = int(jnp.sum(jnp.where(state.done, 0, drafted.num_draft + 1)))
-        return run_verify[int(pad_to_bucket(cfg.verify_buckets, scheduled))](target_params, dparams, state, drafted)
-
+        def run_round(target_params, dparams, state, temps):
+            drafted = run_draft(target_params, dparams, state, temps)
+            scheduled = int(jnp.sum(jnp.where(state.done, 0, drafted.num_draft + 1)))
+            return run_verify[int(pad_to_bucket(cfg.verify_buckets, scheduled))](target_params, dparams, state,
+                                                                                 drafted)
     if gate is None:
         return run_round
-    run_plain = {n: compiled(spec_plain, (target_params, dparams, state_shape), dict(statics, bucket=n))
-                 for n in sorted({int(pad_to_bucket(cfg.verify_buckets, r)) for r in range(1, rows + 1)})}
+    run_plain = {n: compiled(spec_plain, (target_params, dparams, state_shape), dict(statics, steps=n))
+                 for n in PLAIN_CHUNKS}
 
     def run_step(target_params, dparams, state, temps):
-        plain = gate.plain_now()
         t = time.perf_counter()
-        if plain:
-            active = int(np.sum(~np.asarray(state.done)))
-            state, stats = run_plain[int(pad_to_bucket(cfg.verify_buckets, active))](target_params, dparams, state)
-            jax.block_until_ready(stats)
-            gate.observe_plain(time.perf_counter() - t)
+        planned = gate.plain_run_length()
+        if planned:
+            chunk = max(n for n in PLAIN_CHUNKS if n <= planned)
+            state, stats = run_plain[chunk](target_params, dparams, state)
+            ran = int(stats.plain)  # waits for the program
+            gate.observe_plain(time.perf_counter() - t, steps=ran)
         else:
             state, stats = run_round(target_params, dparams, state, temps)
             active, accepted = np.asarray(stats.active), np.asarray(stats.accepted)
@@ -343,7 +366,7 @@ def speculative_generate(
     bar = tqdm(total=max_new_tokens * len(prompts), disable=not progress, unit="tok", desc="speculative", leave=False)
     generated = int(np.sum(np.asarray(state.num_generated)))
     bar.update(generated)
-    while not bool(jnp.all(state.done)):
+    while not np.asarray(state.done).all():
         start = time.perf_counter()
         state, stats = run_round(target_params, dparams, state, temps)
         rounds.append({k: np.asarray(v) for k, v in dataclasses.asdict(stats).items()})
@@ -393,8 +416,13 @@ def profile_verify(target_params, tcfg: ModelConfig, dcfg: DrafterConfig, *, row
         run_draft = compiled(spec_draft, (target_params, dparams, state, None), dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg))
         draft = functools.partial(run_draft, target_params, dparams, state, None)
     table = profile_sps(lambda n: (draft(), programs[n]()), buckets, warmup=1, repeats=repeats, model=model)
-    # A plain step (DESIGN.md 3.3b) is the verify pass of one token per row, without the drafter.
-    plain = profile_sps(lambda n: programs[n](), (int(pad_to_bucket(buckets, rows)),), warmup=1, repeats=repeats)
+    # A plain step (DESIGN.md 3.3b) is the target's pass over one token per row, without the drafter.
+    one = jnp.zeros((rows, 1), jnp.int32)
+    fn = jax.jit(functools.partial(_target_pass, tcfg=tcfg, tap_layers=dcfg.tap_layers, bucket=None))
+    step = functools.partial(fn.lower(target_params, cache=cache, verify_tokens=one, num_new=jnp.ones((rows,), jnp.int32))
+                             .compile(), target_params, cache=cache, verify_tokens=one,
+                             num_new=jnp.ones((rows,), jnp.int32))
+    plain = profile_sps(lambda n: step(), (1,), warmup=1, repeats=repeats)
     return dataclasses.replace(table, plain_sps=plain.sps[0])
 
 
@@ -437,8 +465,8 @@ class RequestStats:
 
     def add(self, stats: dict) -> None:
         active, a, n = stats["active"], stats["accepted"], stats["num_draft"]
-        if stats.get("plain", False):  # a plain target step: one token, no draft, not a round
-            self.plain += active
+        if stats.get("plain", 0):  # plain target steps: one token each, no draft, not a round
+            self.plain += active  # the steps each row took part in
             return
         reached = (n[:, None] >= self.k) & (a[:, None] >= self.k - 1) & active[:, None]
         self.rounds += active
