@@ -16,6 +16,7 @@ import time
 
 from dspark_jax.core.cli import POSITIVE_INT, ArgumentParser, flag, run_cli, setting_flag
 from dspark_jax.core.errors import UserError
+from dspark_jax.core.files import check_local
 from dspark_jax.distributed import gather, runtime
 
 
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_jax.data import datagen
     from dspark_jax.data.splits import SPLITS, parse_sets
 
+    check_local(args.out, "--out")
     if args.split not in SPLITS:
         raise UserError(f"unknown split {args.split!r} (use one of: {', '.join(SPLITS)})")
     sets = parse_sets(args.sets)

@@ -134,7 +134,7 @@ def test_a_drafter_that_never_pays_falls_back_to_plain_steps():
     assert got.acceptance_lengths().mean() < 1.3  # the drafter really does not pay
     assert gate.plain_steps > 0.85 * (gate.plain_steps + gate.rounds), (gate.plain_steps, gate.rounds)
     assert gate.probe_every > PROBE_EVERY  # the probes lost, so they became rarer
-    assert max(r["plain"] for r in got.rounds) == 8  # runs of plain steps go through one program each
+    assert max(r["plain"] for r in got.rounds) > 8  # a run of plain steps goes through one program call
 
 
 def test_a_drafter_that_pays_keeps_drafting():

@@ -3,8 +3,22 @@
 from __future__ import annotations
 
 import json
+import re
 
 from dspark_jax.core.errors import UserError
+
+LOCAL_ONLY = ("URLs (gs://, s3://, ...) are not read or written directly yet: use a local or mounted folder "
+              "(a bucket through gcsfuse, say)")
+
+
+def is_url(path) -> bool:
+    return bool(re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", str(path)))
+
+
+def check_local(path, what: str) -> None:
+    """A one-line UserError for a URL where a local path is needed (instead of a folder named "gs:")."""
+    if is_url(path):
+        raise UserError(f"{what} {path}: {LOCAL_ONLY}")
 
 
 def read_json_object(path: str, what: str, missing: str = "", corrupt: str = "") -> dict:

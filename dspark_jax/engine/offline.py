@@ -16,6 +16,7 @@ import os
 import sys
 
 from dspark_jax.core.errors import UserError
+from dspark_jax.core.files import check_local
 from dspark_jax.data.prompt_files import PromptRecord, prompt_text, read_prompt_records
 from dspark_jax.distributed import gather
 
@@ -283,6 +284,7 @@ class ResultsFile:
         self.records: dict[int, dict] = {}
         self.keep = 0  # bytes of complete lines (what stays when a torn last line is cut)
         self.size = 0
+        check_local(path, "--output")
         if os.path.isdir(path):
             raise UserError(f"--output {path} is a directory")
         if not os.path.isdir(os.path.dirname(os.path.abspath(path))):

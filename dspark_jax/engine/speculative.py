@@ -210,10 +210,11 @@ def plain_and_commit(target_params, dparams, state: SpecState, *, tcfg: ModelCon
                    jnp.zeros_like(state.num_generated), key, state.sched, cfg)
 
 
-def plain_steps(target_params, dparams, state: SpecState, *, tcfg: ModelConfig, dcfg: DrafterConfig,
-                cfg: SpecConfig, steps: int) -> tuple[SpecState, RoundStats]:
-    """Up to `steps` plain target steps in one program (stopping early once every row is done), so a
-    run of them costs what plain decoding's chunks cost: no host round trip per token."""
+def plain_steps(target_params, dparams, state: SpecState, steps, *, tcfg: ModelConfig, dcfg: DrafterConfig,
+                cfg: SpecConfig) -> tuple[SpecState, RoundStats]:
+    """Up to `steps` (a traced int: one program serves every run length) plain target steps in one
+    program, stopping early once every row is done, so a run of them costs what plain decoding's
+    chunks cost: no host round trip per token."""
     def more(carry):
         i, s, _ = carry
         return (i < steps) & ~jnp.all(s.done)
@@ -266,8 +267,8 @@ def spec_round(target_params, dparams, state: SpecState, temperatures, *, tcfg: 
 
 spec_draft = jax.jit(draft_and_schedule, static_argnames=_STATIC)
 spec_verify = jax.jit(verify_and_commit, static_argnames=_STATIC + ("bucket",), donate_argnames=("state",))
-spec_plain = jax.jit(plain_steps, static_argnames=_STATIC + ("steps",), donate_argnames=("state",))
-PLAIN_CHUNKS = (1, 2, 4, 8)  # plain steps one program runs: the gate's run of them, in these pieces
+spec_plain = jax.jit(plain_steps, static_argnames=_STATIC, donate_argnames=("state",))
+MAX_PLAIN_RUN = 16  # plain steps one call runs at most (a row that finishes idles until the call ends)
 
 
 @dataclasses.dataclass
@@ -312,15 +313,13 @@ def round_program(target_params, dparams, state_shape, temps, *, tcfg: ModelConf
                                                                                  drafted)
     if gate is None:
         return run_round
-    run_plain = {n: compiled(spec_plain, (target_params, dparams, state_shape), dict(statics, steps=n))
-                 for n in PLAIN_CHUNKS}
+    run_plain = compiled(spec_plain, (target_params, dparams, state_shape, np.int32(1)), statics)
 
     def run_step(target_params, dparams, state, temps):
         t = time.perf_counter()
         planned = gate.plain_run_length()
         if planned:
-            chunk = max(n for n in PLAIN_CHUNKS if n <= planned)
-            state, stats = run_plain[chunk](target_params, dparams, state)
+            state, stats = run_plain(target_params, dparams, state, np.int32(min(planned, MAX_PLAIN_RUN)))
             ran = int(stats.plain)  # waits for the program
             gate.observe_plain(time.perf_counter() - t, steps=ran)
         else:

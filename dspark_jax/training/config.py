@@ -23,12 +23,17 @@ from dspark_jax.core import config_checks
 from dspark_jax.core.config_checks import ConfigError, relation, setting, validate
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.core.errors import UserError
+from dspark_jax.core.files import LOCAL_ONLY, is_url
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.training.losses import LossWeights
 
 
 def _named(key: str) -> config_checks.Relation:
     return relation(key, lambda **v: bool(v[key].strip()), f"{key} must not be empty")
+
+
+def _local(key: str) -> config_checks.Relation:
+    return relation(key, lambda **v: not v[key] or not is_url(v[key]), f"{key} {{{key}}}: {LOCAL_ONLY}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +51,7 @@ class DataConfig:
     feature_cache: str | None = None
 
     __relations__ = (
-        _named("train_dir"),
+        _named("train_dir"), _local("train_dir"), _local("eval_dir"), _local("feature_cache"),
         relation("anchors_per_seq blocks_per_row", lambda anchors_per_seq, blocks_per_row:
                  anchors_per_seq <= blocks_per_row,
                  "anchors_per_seq={anchors_per_seq} exceeds blocks_per_row={blocks_per_row}: "
@@ -84,7 +89,7 @@ class RunConfig:
     mesh: tuple[int, int, int] = setting((-1, 1, 1), ge=-1)  # (data, fsdp, tensor); -1 = all remaining devices
 
     __relations__ = (
-        _named("out_dir"),
+        _named("out_dir"), _local("out_dir"),
         relation("mesh", lambda mesh: 0 not in mesh and mesh.count(-1) <= 1,
                  "mesh {mesh} must hold axis sizes >= 1, and -1 (all remaining devices) at most once"),
     )
