@@ -744,7 +744,7 @@ def speculative_args(s: Sizes, **kw) -> argparse.Namespace:
     from dspark_jax.checkpoints.registry import default_drafter_path
 
     return argparse.Namespace(target=SMOLLM2, drafter=default_drafter_path(SMOLLM2), threshold=0.5, seed=0,
-                              profile_sps=False, **kw)
+                              profile_sps=False, plain_steps="off", **kw)
 
 
 def part_speedup(run: Run, models: Models) -> None:

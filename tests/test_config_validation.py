@@ -340,7 +340,7 @@ def test_decode_checks_the_drafter_before_the_target_loads(capsys, no_loading, t
 def test_other_commands(capsys, no_loading, tmp_path, command, argv, message):
     import importlib
 
-    module = importlib.import_module({"datagen": "dspark_jax.data.datagen"}.get(command, f"dspark_jax.{command}"))
+    module = importlib.import_module(f"dspark_jax.{command}")
     folder = write_drafter_json(tmp_path / "d")
     argv = [a.replace("{D}", folder).replace("{W}", str(tmp_path)) for a in argv]
     assert_one_line_error(module.main, capsys, message, *argv)

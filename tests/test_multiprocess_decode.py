@@ -16,18 +16,12 @@ import pytest
 from cli_helpers import assert_one_line_error
 from multiprocess_helpers import check, describe, run_processes
 from test_cli import tiny_drafter  # noqa: F401  (a fixture)
+from test_decode_offline import words
 
 from dspark_jax import datagen as datagen_cli
 from dspark_jax import decode
 from dspark_jax.data import datagen
 from dspark_jax.engine import offline
-
-WORDS = [f"w{i}" for i in range(3, 120)]
-
-
-def words(n: int, start: int) -> str:
-    return " ".join(WORDS[(start + 7 * k) % len(WORDS)] for k in range(n))
-
 
 # Six ragged prompts in the three formats (two cache-length groups are not needed: few tokens).
 LINES = [
