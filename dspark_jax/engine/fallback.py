@@ -9,8 +9,8 @@ with the higher expected tokens per second. While plain steps win, a round is ru
 drafter that starts paying again — easier text later in the response — is noticed.
 
 Lossless by construction: the choice for step t is made from steps before t only (never from
-step t's draft), and a plain step emits exactly the target's next token (a verify pass with no
-draft tokens: greedy the argmax, sampled a draw from the processed target distribution).
+step t's draft), and a plain step emits exactly the target's next token (the target's own decode
+pass: greedy the argmax, sampled a draw from the processed target distribution).
 """
 
 from __future__ import annotations
