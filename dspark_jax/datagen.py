@@ -16,7 +16,7 @@ import time
 
 from dspark_jax.core.cli import POSITIVE_INT, ArgumentParser, flag, run_cli, setting_flag
 from dspark_jax.core.errors import UserError
-from dspark_jax.core.files import check_local
+from dspark_jax.core import files
 from dspark_jax.distributed import gather, runtime
 
 
@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sets", required=True,
                    help="comma-separated prompt sets (or domains math/code/chat, or all)")
     p.add_argument("--split", default="train", help="train or eval (see dspark_jax/data/splits.py)")
-    p.add_argument("--out", required=True, help="output folder (resumed if it holds the same run)")
+    p.add_argument("--out", required=True, help="output folder or gs:// URL (resumed if it holds the same run)")
     p.add_argument("--limit", type=POSITIVE_INT, default=None, help="at most N prompts per set (first N in file order)")
     p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=512)
     p.add_argument("--max-prompt-tokens", type=POSITIVE_INT, default=1024, help="skip longer prompts")
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_jax.data import datagen
     from dspark_jax.data.splits import SPLITS, parse_sets
 
-    check_local(args.out, "--out")
+    files.path(args.out)  # an unusable URL (scheme, no gcsfs) fails here, before the target loads
     if args.split not in SPLITS:
         raise UserError(f"unknown split {args.split!r} (use one of: {', '.join(SPLITS)})")
     sets = parse_sets(args.sets)

@@ -21,6 +21,7 @@ import argparse
 import os
 import sys
 
+from dspark_jax.core import files
 from dspark_jax.core.cli import ArgumentParser, run_cli
 from dspark_jax.core.errors import UserError
 
@@ -38,14 +39,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def metrics_path(run: str) -> tuple[str, str]:
-    """(metrics.jsonl path, run folder) of a RUN_DIR argument."""
-    if os.path.isfile(run):
-        return run, os.path.dirname(os.path.abspath(run))
-    if os.path.isdir(run):
+    """(metrics.jsonl path, run folder) of a RUN_DIR argument (a local path or a gs:// URL)."""
+    if files.is_dir(run):
         path = os.path.join(run, METRICS_FILE)
-        if not os.path.exists(path):
+        if not files.exists(path):
             raise UserError(f"no {METRICS_FILE} in {run} (not a training run folder, or nothing logged yet)")
         return path, run
+    if files.exists(run):
+        return run, os.path.dirname(files.absolute(run))
     raise UserError(f"no such run folder: {run}")
 
 
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(runs) > 1 and args.out is None:
         raise UserError("--out is required when comparing several runs")
     out_dir = args.out if args.out is not None else os.path.join(runs[0][1], "plots")
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    if files.exists(out_dir) and not files.is_dir(out_dir):
         raise UserError(f"--out {out_dir} exists and is not a folder")
     names = [os.path.basename(os.path.normpath(run_dir)) for _, run_dir in runs]
     if len(set(names)) != len(names):
@@ -100,8 +101,7 @@ def drafter_family(run_dir: str, name: str) -> str:
     import json
 
     try:
-        with open(os.path.join(run_dir, "drafter", "drafter.json")) as f:
-            d = json.load(f)["config"]
+        d = json.loads(files.read_bytes(os.path.join(run_dir, "drafter", "drafter.json")))["config"]
     except (OSError, ValueError, KeyError, TypeError):
         return name
     if d.get("kind") == "eagle3":

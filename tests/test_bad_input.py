@@ -27,7 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = [
     # decode: flags with types and ranges
     ("decode", ["--prompt", "hi", "--gamma", "0"], "gamma", True),
-    ("decode", ["--prompt", "hi", "--output", "gs://bucket/out.jsonl"], "gs://bucket/out.jsonl: URLs", True),
+    ("decode", ["--prompt", "hi", "--output", "memory://bucket/out.jsonl"], "memory:// URLs are not supported", True),
     ("decode", ["--prompt", "hi", "--gamma", "-3"], "gamma", True),
     ("decode", ["--prompt", "hi", "--gamma", "abc"], "gamma", True),
     ("decode", ["--prompt", "hi", "--threshold", "2"], "threshold", True),
@@ -69,7 +69,7 @@ CASES = [
     ("calibrate", ["--drafter", "{D}", "--batch-size", "0", "--out", "{W}/out"], "batch-size", True),
     # datagen
     ("datagen", ["--sets", "nope", "--out", "{W}/data"], "nope", True),
-    ("datagen", ["--sets", "gsm8k", "--out", "gs://bucket/data"], "gs://bucket/data: URLs", True),
+    ("datagen", ["--sets", "gsm8k", "--out", "memory://bucket/data"], "memory:// URLs are not supported", True),
     ("datagen", ["--sets", "gsm8k", "--split", "validation", "--out", "{W}/data"], "split", True),
     ("datagen", ["--sets", "gsm8k", "--limit", "0", "--out", "{W}/data"], "limit", True),
     ("datagen", ["--sets", "gsm8k", "--max-new-tokens", "0", "--out", "{W}/data"], "max-new-tokens", True),
@@ -79,7 +79,7 @@ CASES = [
     ("train", ["--config", "{W}/missing.yaml"], "missing.yaml", True),
     ("train", ["--config", "{W}/not_yaml.yaml"], "not valid YAML", True),
     ("train", ["--config", "{C}", "run.out_dir={W}/run", "optim.steps=-1"], "optim.steps", True),
-    ("train", ["--config", "{C}", "run.out_dir=gs://bucket/run"], "run.out_dir gs://bucket/run: URLs", True),
+    ("train", ["--config", "{C}", "run.out_dir=memory://bucket/run"], "run.out_dir memory://bucket/run: use a local path", True),
     ("train", ["--config", "{C}", "run.out_dir={W}/run", "data.feature_cache=s3://b/f"], "data.feature_cache", True),
     ("train", ["--config", "{C}", "run.out_dir={W}/run", "optim.steps=1.5"], "optim.steps", True),
     ("train", ["--config", "{C}", "run.out_dir={W}/run", "optim.lr=-1"], "optim.lr", True),

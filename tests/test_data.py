@@ -12,6 +12,7 @@ from dspark_jax.checkpoints.registry import Target
 from dspark_jax import datagen as datagen_cli
 from dspark_jax.data import datagen, splits
 from dspark_jax.data.pipeline import (PackingConfig, ShardSource, block_labels, make_dataset, target_features)
+from dspark_jax.core import files
 from dspark_jax.core.errors import UserError
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
@@ -63,7 +64,7 @@ def test_shard_round_trip(tmp_path):
     assert data["example_ids"].tolist() == ["a/1", "b/2"]
 
 
-def test_write_json_atomic_syncs_before_the_rename(tmp_path, monkeypatch):
+def test_atomic_write_json_syncs_before_the_rename(tmp_path, monkeypatch):
     events = []
     fsync, replace = os.fsync, os.replace
 
@@ -78,11 +79,11 @@ def test_write_json_atomic_syncs_before_the_rename(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", recorded_fsync)
     monkeypatch.setattr(os, "replace", recorded_replace)
     path = tmp_path / "manifest.json"
-    datagen.write_json_atomic(str(path), {"a": 1})
+    files.atomic_write_json(str(path), {"a": 1})
     assert json.loads(path.read_text()) == {"a": 1} and os.listdir(tmp_path) == ["manifest.json"]
     names = [e[0] for e in events]
     assert names == ["fsync", "replace", "fsync"], events  # the data, the rename, then the folder
-    assert events[1] == ("replace", "manifest.json.tmp")
+    assert events[1][1].startswith(".manifest.json.") and events[1][1].endswith(".tmp")
     if events[0][1] is not None:
         assert events[0][1] is False and events[2][1] is True  # a file, then the folder
 

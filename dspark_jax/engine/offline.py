@@ -16,7 +16,7 @@ import os
 import sys
 
 from dspark_jax.core.errors import UserError
-from dspark_jax.core.files import check_local
+from dspark_jax.core import files
 from dspark_jax.data.prompt_files import PromptRecord, prompt_text, read_prompt_records
 from dspark_jax.distributed import gather
 
@@ -143,7 +143,7 @@ def sps_table(args, target, dcfg, dparams, gamma, max_len, buckets):
         return _TABLES[path]
 
     def stored() -> dict | None:  # the table on disk, or None to profile one
-        if os.path.exists(path) and not args.profile_sps:
+        if files.exists(path) and not args.profile_sps:
             return load_sps_table(path, device=device_kind(), model=model, buckets=buckets).to_json()
         if args.sps_table and not args.profile_sps:
             raise UserError(f"no SPS table at {args.sps_table} (add --profile-sps to measure one)")
@@ -254,7 +254,7 @@ def generation_settings(args, target_name: str) -> dict:
                 "target_name": target_name, "dtype": args.dtype, "raw": args.raw,
                 "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
                 "top_p": args.top_p, "seed": args.seed,
-                "drafter": args.drafter if args.drafter == "none" else os.path.abspath(args.drafter)}
+                "drafter": args.drafter if args.drafter == "none" else files.absolute(args.drafter)}
     if args.drafter != "none":
         settings.update(scheduler=args.scheduler, gamma=args.gamma, plain_steps=getattr(args, "plain_steps", False))
         if args.scheduler == "threshold":
@@ -276,15 +276,31 @@ class ResultsFile:
     appended as it completes (one write of the whole line, then fsync). Reading it back checks the
     header against this run's settings and every record's `prompt_sha256` against the prompt now at
     its `index`; a last line without its newline (a write cut short by a kill) is dropped. The file
-    is locked while a run uses it."""
+    is locked while a run uses it.
+
+    On an object store (--output gs://...) an object cannot be appended to or locked: the whole
+    object is rewritten at most every files.OBJECT_REWRITE_S seconds and at the end
+    (`files.AppendedObject`), so a kill loses at most that much work (the resume redoes it), and two
+    runs must not share one URL."""
 
     def __init__(self, path: str, settings: dict, hashes: list[str]):
         self.path, self.settings = path, settings
-        self.fd: int | None = None
+        self.fd: int | None = None  # a local file
+        self.object: files.AppendedObject | None = None  # an object-store URL
         self.records: dict[int, dict] = {}
         self.keep = 0  # bytes of complete lines (what stays when a torn last line is cut)
         self.size = 0
-        check_local(path, "--output")
+        self.data = b""  # what an object held when opened
+        if files.is_url(path):
+            if files.is_dir(path):
+                raise UserError(f"--output {path} is a folder")
+            if files.exists(path):
+                try:
+                    self.data = files.read_bytes(path)
+                except OSError as e:
+                    raise UserError(f"cannot read --output {path}: {e}") from None
+                self._read(self.data, hashes)
+            return
         if os.path.isdir(path):
             raise UserError(f"--output {path} is a directory")
         if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
@@ -296,7 +312,8 @@ class ResultsFile:
                 raise UserError(f"cannot open --output {path}: {e.strerror}") from None
             try:
                 self._lock()
-                self._read(hashes)
+                with os.fdopen(os.dup(self.fd), "rb") as f:
+                    self._read(f.read(), hashes)
             except BaseException:
                 self.close()
                 raise
@@ -309,9 +326,7 @@ class ResultsFile:
         except BlockingIOError:
             raise UserError(f"--output {self.path} is in use by another decode run") from None
 
-    def _read(self, hashes: list[str]) -> None:
-        with os.fdopen(os.dup(self.fd), "rb") as f:
-            data = f.read()
+    def _read(self, data: bytes, hashes: list[str]) -> None:
         self.size = len(data)
         self.keep = data.rfind(b"\n") + 1
         lines = data[: self.keep].split(b"\n")[:-1]
@@ -352,6 +367,11 @@ class ResultsFile:
 
     def start(self) -> None:
         """Ready to append: create the file with its header, or cut a torn last line."""
+        if files.is_url(self.path):
+            self.object = files.AppendedObject(self.path, self.data[: self.keep].decode("utf-8", "surrogateescape"))
+            if self.keep == 0:
+                self._write({"format": RESULTS_FORMAT, "settings": self.settings})
+            return
         if self.fd is None:
             try:
                 self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
@@ -360,22 +380,19 @@ class ResultsFile:
             except OSError as e:
                 raise UserError(f"cannot create --output {self.path}: {e.strerror}") from None
             self._lock()
-            self._sync_folder()
+            files.sync_folder(os.path.dirname(os.path.abspath(self.path)))
         if self.keep != self.size:
             os.ftruncate(self.fd, self.keep)
         os.lseek(self.fd, 0, os.SEEK_END)
         if self.keep == 0:
             self._write({"format": RESULTS_FORMAT, "settings": self.settings})
 
-    def _sync_folder(self) -> None:
-        folder = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
-        try:
-            os.fsync(folder)
-        finally:
-            os.close(folder)
-
     def _write(self, obj: dict) -> None:
         data = (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8", "replace")
+        if self.object is not None:
+            self.object.write(data.decode("utf-8"))
+            self.object.flush()
+            return
         while data:
             data = data[os.write(self.fd, data):]
         os.fsync(self.fd)
@@ -384,6 +401,9 @@ class ResultsFile:
         self._write(record)
 
     def close(self) -> None:
+        if self.object is not None:
+            self.object.close()
+            self.object = None
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import math
 import os
 import statistics
@@ -38,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.core.errors import UserError
+from dspark_jax.core import files
 from dspark_jax.core.files import read_json_object
 
 FORMAT = "dspark-sps-table"
@@ -210,14 +210,10 @@ def profile_sps(step_fn: Callable[[int], Any], buckets: Sequence[int], warmup: i
 
 
 def save_sps_table(path: str | os.PathLike, table: SPSTable) -> None:
-    """Write the table as JSON (atomically: a temporary file renamed into place)."""
+    """Write the table as JSON (atomically, `files.atomic_write_json`), its folder created first."""
     path = os.fspath(path)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(table.to_json(), f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    files.make_parent(path)
+    files.atomic_write_json(path, table.to_json())
 
 
 def load_sps_table(path: str | os.PathLike, *, device: str | None = None, model: str | None = None,

@@ -2,8 +2,8 @@
 
 Figures are built with `matplotlib.figure.Figure` on an Agg canvas, never through pyplot: nothing
 touches the global backend or pyplot's figure registry, so nothing can leak or pop up a window,
-and each figure is freed when the function returns. Every PNG is written to a temporary file in
-the target folder and `os.replace`d into place, so a reader never sees a half-written image.
+and each figure is freed when the function returns. Every PNG is rendered in memory and written
+atomically (`core.files`: local or gs://), so a reader never sees a half-written image.
 
     reliability_diagram(report_or_arrays, path, title=...) -> path
     acceptance_curves(curves, path, title=..., ylabel=...) -> path
@@ -14,15 +14,16 @@ the target folder and `os.replace`d into place, so a reader never sees a half-wr
 
 from __future__ import annotations
 
+import io
 import math
 import os
-import tempfile
 from typing import Mapping, Sequence
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from dspark_jax.core import files
 from dspark_jax.core.files import read_jsonl
 from dspark_jax.core.errors import UserError
 from dspark_jax.evaluation import calibration
@@ -51,19 +52,13 @@ def _new_figure(width: float, height: float) -> Figure:
 
 
 def _save(fig: Figure, path: str) -> str:
-    """Write fig as PNG to path atomically (temporary file in the same folder + os.replace)."""
+    """Write fig as PNG to path atomically (`files.atomic_write_bytes`; a gs:// URL works too)."""
     path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=folder)
+    png = io.BytesIO()
     try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=DPI)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+        fig.savefig(png, format="png", dpi=DPI)
+        files.make_parent(path)
+        files.atomic_write_bytes(path, png.getvalue())
     finally:
         fig.clear()
     return path

@@ -9,6 +9,7 @@ import re
 
 import numpy as np
 
+from dspark_jax.core import files
 from dspark_jax.core.errors import UserError
 from dspark_jax.evaluation.benchmark import Bench
 
@@ -130,22 +131,15 @@ def write_plots(report: dict, out: str) -> list[str]:
     return paths
 
 
-def _write_text(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def write_report(report: dict, benches: list[Bench], out: str) -> list[str]:
     """OUT/eval.md, OUT/eval.json (written last: its presence means the run finished) and the
     plots; returns the plots' paths. A folder that cannot be written is a UserError (in a
     multi-process run process 0 writes, and every process reports the error)."""
     try:
-        os.makedirs(out, exist_ok=True)
+        files.makedirs(out)
         plots = write_plots(report, out)
-        _write_text(os.path.join(out, "eval.md"), markdown(report, benches, plots))
-        _write_text(os.path.join(out, "eval.json"), json.dumps(report, indent=1))  # last: its presence = done
+        files.atomic_write_text(os.path.join(out, "eval.md"), markdown(report, benches, plots))
+        files.atomic_write_text(os.path.join(out, "eval.json"), json.dumps(report, indent=1))  # last: its presence = done
     except OSError as e:
         raise UserError(f"cannot write the results to {out}: {e.strerror or e}") from None
     return plots

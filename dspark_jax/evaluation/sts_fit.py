@@ -8,11 +8,11 @@ run's); process 0 alone fits, writes the report and stores the drafter.
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 
+from dspark_jax.core import files
 from dspark_jax.core.errors import UserError
 from dspark_jax.distributed import gather
 from dspark_jax.evaluation.rounds import collect_rounds
@@ -74,10 +74,8 @@ def fit_and_store(args, prompts, loaded, target, rounds) -> dict:
     metadata = dict(loaded.metadata, calibration=to_jsonable({k: summary[k] for k in (
         "rounds", "prompts", "sets", "temperature", "max_new_tokens")}))
     try:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "report.json.tmp"), "w") as f:
-            json.dump(to_jsonable(summary), f, indent=1)
-        os.replace(os.path.join(out, "report.json.tmp"), os.path.join(out, "report.json"))
+        files.makedirs(out)
+        files.atomic_write_json(os.path.join(out, "report.json"), to_jsonable(summary))
         png = reliability_diagram(report, os.path.join(out, "reliability.png"),
                                   title=f"STS calibration ({len(test_idx)} held-out rounds)")
         save_drafter(args.save_to or args.drafter, loaded.config, loaded.params, sts_temperatures=temperatures,

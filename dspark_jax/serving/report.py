@@ -8,6 +8,7 @@ import shlex
 import sys
 from typing import Any, Sequence
 
+from dspark_jax.core import files
 from dspark_jax.engine.sps import machine
 from dspark_jax.serving.rounds import write_json
 from dspark_jax.serving.simulator import gains_over, pareto_front
@@ -28,16 +29,13 @@ def header(m: dict) -> str:
 
 
 def write_text(path: str, text: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    files.make_parent(path)
+    files.atomic_write_text(path, text)
 
 
 def out_paths(out: str, *suffixes: str) -> tuple[str, str, list[str]]:
     """--out DIR/name.md -> (DIR/name.md, DIR/name.json, [DIR/name<suffix>.png ...])."""
-    base = os.path.splitext(os.path.abspath(out))[0]
+    base = os.path.splitext(files.absolute(out))[0]
     return base + ".md", base + ".json", [f"{base}{s}.png" for s in suffixes]
 
 

@@ -49,6 +49,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dspark_jax.core import files
 from dspark_jax.core.errors import UserError
 
 FORMAT = "dspark-round-records"
@@ -161,13 +162,9 @@ def load_pool(path: str) -> RoundPool:
 
 
 def write_json(path: str, obj: Any, indent: int | None = 1) -> None:
-    """Atomic JSON write (temporary file in the same folder + os.replace)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=indent)
-        f.write("\n")
-    os.replace(tmp, path)
+    """Atomic JSON write (`files.atomic_write_text`), its folder created first."""
+    files.make_parent(path)
+    files.atomic_write_text(path, json.dumps(obj, indent=indent) + "\n")
 
 
 def serving_prompts(tokenizer, count: int, max_prompt_tokens: int) -> list[list[int]]:

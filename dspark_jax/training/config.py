@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
 import re
 from typing import Any
 
@@ -23,7 +22,7 @@ from dspark_jax.core import config_checks
 from dspark_jax.core.config_checks import ConfigError, relation, setting, validate
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.core.errors import UserError
-from dspark_jax.core.files import LOCAL_ONLY, is_url
+from dspark_jax.core.files import read_bytes, url_problem
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.training.losses import LossWeights
 
@@ -32,8 +31,11 @@ def _named(key: str) -> config_checks.Relation:
     return relation(key, lambda **v: bool(v[key].strip()), f"{key} must not be empty")
 
 
-def _local(key: str) -> config_checks.Relation:
-    return relation(key, lambda **v: not v[key] or not is_url(v[key]), f"{key} {{{key}}}: {LOCAL_ONLY}")
+def _storage(key: str) -> config_checks.Relation:
+    """A local path or a URL we can use (core.files), checked when the config loads."""
+    return relation(key, lambda **v: not v[key] or url_problem(v[key]) is None,
+                    f"{key} {{{key}}}: use a local path or a gs://, s3://, az:// or hf:// URL (gs:// needs gcsfs: "
+                    "pip install 'dspark_jax[gcs]')")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +53,7 @@ class DataConfig:
     feature_cache: str | None = None
 
     __relations__ = (
-        _named("train_dir"), _local("train_dir"), _local("eval_dir"), _local("feature_cache"),
+        _named("train_dir"), _storage("train_dir"), _storage("eval_dir"), _storage("feature_cache"),
         relation("anchors_per_seq blocks_per_row", lambda anchors_per_seq, blocks_per_row:
                  anchors_per_seq <= blocks_per_row,
                  "anchors_per_seq={anchors_per_seq} exceeds blocks_per_row={blocks_per_row}: "
@@ -89,7 +91,7 @@ class RunConfig:
     mesh: tuple[int, int, int] = setting((-1, 1, 1), ge=-1)  # (data, fsdp, tensor); -1 = all remaining devices
 
     __relations__ = (
-        _named("out_dir"), _local("out_dir"),
+        _named("out_dir"), _storage("out_dir"),
         relation("mesh", lambda mesh: 0 not in mesh and mesh.count(-1) <= 1,
                  "mesh {mesh} must hold axis sizes >= 1, and -1 (all remaining devices) at most once"),
     )
@@ -216,11 +218,10 @@ def load_config(path: str, overrides: list[str] = ()) -> TrainConfig:
     """The config in YAML file `path` with `key=value` overrides applied, every setting checked.
 
     A bad setting is a UserError naming the key and where it came from: the file or the override."""
-    if not os.path.exists(path):
-        raise UserError(f"no such config file: {path}")
     try:
-        with open(path) as f:
-            text = f.read()
+        text = read_bytes(path).decode("utf-8")
+    except FileNotFoundError:
+        raise UserError(f"no such config file: {path}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"cannot read config file {path}: {e}") from None
     raw = _yaml(text, path)

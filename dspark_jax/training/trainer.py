@@ -55,6 +55,7 @@ from tqdm.auto import tqdm
 from dspark_jax.distributed import sharding
 from dspark_jax.distributed.gather import barrier
 from dspark_jax.drafters.config import DrafterConfig
+from dspark_jax.core import files
 from dspark_jax.core.errors import UserError
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
@@ -195,7 +196,7 @@ def load_data(folder: str):
     """The ShardSource of a datagen folder (a UserError if there is none)."""
     from dspark_jax.data.pipeline import ShardSource
 
-    if not os.path.isdir(folder):
+    if not files.is_dir(folder):
         raise UserError(f"no data at {folder}: generate it with python -m dspark_jax.datagen")
     return ShardSource(folder)
 
@@ -226,7 +227,7 @@ def make_train_iterator(cfg: TrainConfig, dcfg: DrafterConfig, source=None):
 RUN_FILE, RESUMES_FILE, METRICS_FILE, CHECKPOINTS_DIR = "run.json", "resumes.jsonl", "metrics.jsonl", "checkpoints"
 # Everything a run (and plot_metrics) writes into its folder, temporary files of atomic writes included.
 _RUN_ENTRY = re.compile(r"(run\.json|resumes\.jsonl|metrics\.jsonl|checkpoints|drafter|plots)"
-                        r"|\.(run\.json|resumes\.jsonl|metrics\.jsonl)\.tmp\.\d+|\.overwrite-trash\.\d+")
+                        r"|\.(run\.json|resumes\.jsonl|metrics\.jsonl)\.(tmp\.\d+|[^/]+\.tmp)|\.overwrite-trash\.\d+")
 _STEP_DIR = re.compile(r"\d+(\.orbax-checkpoint-tmp.*)?")  # orbax step folders, finished or not
 # What a resume may change (with allow_schedule_change): how long it runs and how often it logs,
 # evaluates and saves, and its device layout. Everything else (target, drafter, loss, data, the
@@ -273,8 +274,7 @@ def _finished_steps(out_dir: str) -> list[int]:
     """The steps of the folder's finished checkpoints (orbax renames a step's temporary folder to
     the bare step number when the save is complete; temporary folders are ignored on restore)."""
     folder = os.path.join(out_dir, CHECKPOINTS_DIR)
-    names = os.listdir(folder) if os.path.isdir(folder) else []
-    return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(folder, n)))
+    return sorted(int(n) for n in files.listdir(folder) if n.isdigit() and files.is_dir(os.path.join(folder, n)))
 
 
 def stored_run_config(out_dir: str) -> dict | None:
@@ -284,11 +284,10 @@ def stored_run_config(out_dir: str) -> dict | None:
     sources = [path] + [os.path.join(out_dir, CHECKPOINTS_DIR, str(s), "config", "metadata")
                         for s in _finished_steps(out_dir)[-1:]]
     for source in sources:
-        if not os.path.exists(source):
-            continue
         try:
-            with open(source, encoding="utf-8") as f:
-                record = json.load(f)
+            record = json.loads(files.read_bytes(source))
+        except FileNotFoundError:
+            continue
         except (OSError, ValueError) as e:
             raise UserError(f"cannot read the run's config {source}: {e}") from None
         config = record.get("config") if source == path and isinstance(record, dict) else record
@@ -319,9 +318,9 @@ def check_run_folder(cfg: TrainConfig, resume: bool = False, overwrite: bool = F
     out = cfg.run.out_dir
     if resume and overwrite:
         raise UserError("--resume continues the run in run.out_dir and --overwrite replaces it: pass one of them")
-    if os.path.exists(out) and not os.path.isdir(out):
+    if files.exists(out) and not files.is_dir(out):
         raise UserError(f"run.out_dir {out} is a file, not a folder")
-    entries = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    entries = files.listdir(out)
     foreign = [e for e in entries if not _RUN_ENTRY.fullmatch(e)]
     has_record = RUN_FILE in entries
     if overwrite:
@@ -329,7 +328,7 @@ def check_run_folder(cfg: TrainConfig, resume: bool = False, overwrite: bool = F
             raise UserError(f"--overwrite: {out} does not look like a run folder (no {RUN_FILE}; it holds "
                             f"{_names(foreign)}): clear it yourself or choose another run.out_dir")
         folder = os.path.join(out, CHECKPOINTS_DIR)
-        others = sorted(n for n in os.listdir(folder) if not _STEP_DIR.fullmatch(n)) if os.path.isdir(folder) else []
+        others = [n for n in files.listdir(folder) if not _STEP_DIR.fullmatch(n)]
         if others:
             raise UserError(f"--overwrite: {folder} holds more than checkpoints ({_names(others)}): "
                             f"clear it yourself or choose another run.out_dir")
@@ -361,20 +360,17 @@ def check_run_folder(cfg: TrainConfig, resume: bool = False, overwrite: bool = F
     return RunFolderCheck(stored, diff)
 
 
-def _write_atomic(path: str, text: str) -> None:
-    """Replace `path` by `text` in one rename: readers (and a kill) see the old or the new file."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp.{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def clear_run_folder(out_dir: str) -> None:
     """Remove what a run wrote into out_dir (only `_RUN_ENTRY` names; `check_run_folder` vetted
     them): each is first renamed into one trash folder, so a kill part-way leaves no half-deleted
-    checkpoint that would look complete, only the trash, which the next overwrite removes too."""
+    checkpoint that would look complete, only the trash, which the next overwrite removes too. On
+    an object store (no renames) the entries are deleted one by one."""
+    if files.is_url(out_dir):
+        for name in files.listdir(out_dir):
+            if _RUN_ENTRY.fullmatch(name):
+                entry = files.path(os.path.join(out_dir, name))
+                entry.rmtree() if entry.is_dir() else entry.unlink()
+        return
     if not os.path.isdir(out_dir):
         return
     trash = os.path.join(out_dir, f".overwrite-trash.{os.getpid()}")
@@ -390,10 +386,9 @@ def truncate_metrics(path: str, step: int) -> int:
     resume restored), atomically; returns how many lines it dropped. Keeps a record only if it
     is complete and its step is above the last kept one, so records written again by a resume
     (logs from before this truncation existed) and a torn last line go too."""
-    if not os.path.exists(path):
+    if not files.exists(path):
         return 0
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines(keepends=True)
+    lines = files.read_text(path).splitlines(keepends=True)
     kept, last = [], 0
     for line in lines:
         try:
@@ -406,7 +401,7 @@ def truncate_metrics(path: str, step: int) -> int:
             last = s
     dropped = sum(1 for line in lines if line.strip()) - len(kept)
     if dropped:
-        _write_atomic(path, "".join(kept))
+        files.atomic_write_text(path, "".join(kept))
     return dropped
 
 
@@ -479,7 +474,7 @@ class Trainer:
             import orbax.checkpoint as ocp
 
             self._manager = ocp.CheckpointManager(
-                os.path.abspath(os.path.join(self.cfg.run.out_dir, CHECKPOINTS_DIR)),
+                files.absolute(os.path.join(self.cfg.run.out_dir, CHECKPOINTS_DIR)),  # orbax does gs:// itself
                 options=ocp.CheckpointManagerOptions(max_to_keep=self.cfg.run.keep_checkpoints, create=True,
                                                      enable_async_checkpointing=True, cleanup_tmp_directories=True))
         return self._manager
@@ -513,7 +508,7 @@ class Trainer:
             return None
         abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                                 jax.eval_shape(self.init_state), self.state_shardings)
-        if os.path.isdir(os.path.join(self.cfg.run.out_dir, CHECKPOINTS_DIR, str(step), "data_global")):
+        if files.is_dir(os.path.join(self.cfg.run.out_dir, CHECKPOINTS_DIR, str(step), "data_global")):
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract), data_global=ocp.args.JsonRestore()))
             self.data.set_state(restored["data_global"])
@@ -627,9 +622,9 @@ class Trainer:
         if jax.process_index() == 0:
             if overwrite:
                 clear_run_folder(cfg.run.out_dir)
-            os.makedirs(cfg.run.out_dir, exist_ok=True)
-            if check.stored is None or not os.path.exists(os.path.join(cfg.run.out_dir, RUN_FILE)):
-                _write_atomic(os.path.join(cfg.run.out_dir, RUN_FILE),
+            files.makedirs(cfg.run.out_dir)
+            if check.stored is None or not files.exists(os.path.join(cfg.run.out_dir, RUN_FILE)):
+                files.atomic_write_text(os.path.join(cfg.run.out_dir, RUN_FILE),
                               json.dumps({"config": jsonable_config(cfg), "started": _now()}, indent=1) + "\n")
         barrier("dspark-run-folder-claimed")
         return check
@@ -652,12 +647,11 @@ class Trainer:
                       f"goes from {old:.3g} to {new:.3g} (warmup and cosine decay span optim.steps)",
                       file=sys.stderr, flush=True)
         path = os.path.join(out, RESUMES_FILE)
-        before = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
-        _write_atomic(path, before + json.dumps(record) + "\n")
+        before = files.read_text(path) if files.exists(path) else ""
+        files.atomic_write_text(path, before + json.dumps(record) + "\n")
         if check.changes:
-            with open(os.path.join(out, RUN_FILE), encoding="utf-8") as f:
-                run = json.load(f)
-            _write_atomic(os.path.join(out, RUN_FILE),
+            run = json.loads(files.read_bytes(os.path.join(out, RUN_FILE)))
+            files.atomic_write_text(os.path.join(out, RUN_FILE),
                           json.dumps({**run, "config": jsonable_config(cfg)}, indent=1) + "\n")
 
     def fit(self, resume: bool = False, stop_after: int | None = None, progress: bool = True,
@@ -688,7 +682,8 @@ class Trainer:
                    unit="step")
         rows = self.batch_rows
         t_last, blocks = time.perf_counter(), 0
-        with open(log_path if primary else os.devnull, "a") as log:
+        # On an object store metrics.jsonl is rewritten whole every files.OBJECT_REWRITE_S seconds (no appends).
+        with files.open_append(log_path) if primary else open(os.devnull, "a") as log:
             for _ in range(start, end):
                 batch, batch_blocks = self.next_batch()
                 blocks += batch_blocks
