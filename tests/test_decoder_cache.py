@@ -71,8 +71,9 @@ def test_cache_tail_is_invisible():
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, CFG.vocab_size, size=(2, 10)), jnp.int32)
     cache = decoder.init_cache(CFG, 2, 32)
     h1, c1, _ = decoder.forward(params, CFG, tokens, cache, jnp.array([10, 6]))
-    noisy = dataclasses.replace(c1, k=c1.k.at[:, :, :, 10:].set(5.0), v=c1.v.at[:, :, :, 10:].set(-3.0))
-    noisy = dataclasses.replace(noisy, k=noisy.k.at[:, 1, :, 6:].set(7.0))
+    # keys are cached transposed, [L, B, Hkv, D, S]; values [L, B, Hkv, S, D]
+    noisy = dataclasses.replace(c1, k=c1.k.at[..., 10:].set(5.0), v=c1.v.at[:, :, :, 10:].set(-3.0))
+    noisy = dataclasses.replace(noisy, k=noisy.k.at[:, 1, ..., 6:].set(7.0))
     nxt = jnp.array([[3], [4]], jnp.int32)
     a, _, _ = decoder.forward(params, CFG, nxt, c1, jnp.array([1, 1]))
     b, _, _ = decoder.forward(params, CFG, nxt, noisy, jnp.array([1, 1]))

@@ -53,15 +53,16 @@ def test_flat_matches_padded_forward():
         np.testing.assert_allclose(np.asarray(h[n]), np.asarray(h_ref[b, t]), atol=2e-5, rtol=0)
         np.testing.assert_allclose(np.asarray(taps[:, n]), np.asarray(taps_ref[:, b, t]), atol=2e-5, rtol=0)
         p = COMMITTED[b] + t
-        np.testing.assert_allclose(np.asarray(c.k[:, b, :, p]), np.asarray(c_ref.k[:, b, :, p]), atol=2e-5, rtol=0)
+        np.testing.assert_allclose(np.asarray(c.k[:, b, ..., p]), np.asarray(c_ref.k[:, b, ..., p]), atol=2e-5, rtol=0)
         np.testing.assert_allclose(np.asarray(c.v[:, b, :, p]), np.asarray(c_ref.v[:, b, :, p]), atol=2e-5, rtol=0)
 
     # Everything else in the cache (committed prefixes, padding targets, row 1, row 3) is untouched.
-    written = np.zeros((c.k.shape[1], c.k.shape[3]), bool)  # (row, position) of [L, B, Hkv, S, D]
+    written = np.zeros((c.v.shape[1], c.v.shape[3]), bool)  # (row, position) of values [L, B, Hkv, S, D]
     for b, t in order:
         written[b, COMMITTED[b] + t] = True
-    for new, old in ((c.k, cache.k), (c.v, cache.v)):
-        new, old = (np.asarray(a).transpose(0, 1, 3, 2, 4) for a in (new, old))
+    # keys are [L, B, Hkv, D, S], values [L, B, Hkv, S, D]: bring (row, position) to the front of both
+    for new, old, order_axes in ((c.k, cache.k, (0, 1, 4, 2, 3)), (c.v, cache.v, (0, 1, 3, 2, 4))):
+        new, old = (np.asarray(a).transpose(order_axes) for a in (new, old))
         np.testing.assert_array_equal(new[:, ~written], old[:, ~written])
 
 
@@ -85,8 +86,57 @@ def test_flat_jit_fixed_bucket_varying_valid_counts():
                                           jnp.asarray(num_new, jnp.int32))
         for n, (b, t) in enumerate(order):
             np.testing.assert_allclose(np.asarray(h[n]), np.asarray(h_ref[b, t]), atol=2e-5, rtol=0)
-            np.testing.assert_allclose(np.asarray(c.k[:, b, :, COMMITTED[b] + t]),
-                                       np.asarray(c_ref.k[:, b, :, COMMITTED[b] + t]), atol=2e-5, rtol=0)
+            np.testing.assert_allclose(np.asarray(c.k[:, b, ..., COMMITTED[b] + t]),
+                                       np.asarray(c_ref.k[:, b, ..., COMMITTED[b] + t]), atol=2e-5, rtol=0)
         if not order:
             np.testing.assert_array_equal(np.asarray(c.k), np.asarray(cache.k))
     assert len(traces) == 1  # one compile for the bucket, whatever the valid count
+
+
+def flattened_prompts(lengths, pad, rng, vocab):
+    """Prompts back to back from position 0 (generate.flatten_prompts' layout) plus `pad` padding
+    entries, which flatten_prompts gives row 0 and position 0."""
+    n = sum(lengths) + pad
+    tokens, rows, positions = (np.zeros(n, np.int32) for _ in range(3))
+    tokens[: sum(lengths)] = rng.integers(0, vocab, size=sum(lengths))
+    rows[: sum(lengths)] = np.repeat(np.arange(len(lengths)), lengths)
+    positions[: sum(lengths)] = np.concatenate([np.arange(length) for length in lengths])
+    return tokens, rows, positions, np.arange(n) < sum(lengths)
+
+
+def test_prefill_attention_equals_masked_attention():
+    """Rows spanning several query blocks, a block holding several rows, a one-token row, padding
+    at the end (row 0, position 0: must stay invisible to row 0), and a window."""
+    rng = np.random.default_rng(3)
+    H, Hkv, D = 6, 2, 8
+    for lengths, chunk, window in (([5, 17, 1, 40], 8, None), ([3, 9, 30], 16, 4), ([50], 16, None),
+                                   ([7, 7], 128, None)):
+        _, rows, positions, valid = flattened_prompts(lengths, 5, rng, 2)
+        n = len(rows)
+        q, k, v = (jnp.asarray(rng.normal(size=(n, h, D)), jnp.float32) for h in (H, Hkv, Hkv))
+        got = decoder.prefill_attention(q, k, v, jnp.asarray(rows), jnp.asarray(positions), jnp.asarray(valid),
+                                        window=None if window is None else jnp.int32(window), chunk=chunk)
+        index = np.arange(n)
+        visible = (index[None] <= index[:, None]) & (rows[None] == rows[:, None]) & valid[None]
+        if window is not None:
+            visible &= index[None] > index[:, None] - window
+        want = decoder.attention(q[None], decoder.transposed_keys(k[None]), decoder.heads_major(v[None]),
+                                 jnp.asarray(visible)[None])[0]
+        np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=1e-5, rtol=0)
+
+
+def test_prefill_flat_equals_the_padded_layout():
+    """forward_flat(prefill=True) on an empty cache == the general path: same hidden states, same
+    cache (what later decode steps read)."""
+    params = decoder.init_params(CFG, jax.random.key(4), scale=0.1)
+    rng = np.random.default_rng(4)
+    lengths = [9, 1, 14]
+    tokens, rows, positions, valid = (jnp.asarray(a) for a in flattened_prompts(lengths, 8, rng, CFG.vocab_size))
+    cache = decoder.init_cache(CFG, len(lengths), MAX_LEN)
+    want, want_cache, _ = decoder.forward_flat(params, CFG, tokens, rows, positions, valid, cache, width=16)
+    got, got_cache, _ = decoder.forward_flat(params, CFG, tokens, rows, positions, valid, cache, width=16,
+                                             prefill=True)
+    np.testing.assert_allclose(np.asarray(got)[np.asarray(valid)], np.asarray(want)[np.asarray(valid)],
+                               atol=2e-5, rtol=0)
+    for a, b in ((got_cache.k, want_cache.k), (got_cache.v, want_cache.v)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=0)

@@ -92,7 +92,7 @@ def test_chunked_attention_equals_masked_attention(S, chunk):
     rng = np.random.default_rng(S)
     B, T, H, Hkv, D = 3, 4, 6, 2, 8
     q = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32)
-    k = jnp.asarray(rng.normal(size=(B, Hkv, S, D)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(B, Hkv, D, S)), jnp.float32)  # transposed, as cached
     v = jnp.asarray(rng.normal(size=(B, Hkv, S, D)), jnp.float32)
     starts = np.array([0, S // 2, S - T])
     q_pos = jnp.asarray(starts[:, None] + np.arange(T)[None], jnp.int32)
@@ -102,7 +102,7 @@ def test_chunked_attention_equals_masked_attention(S, chunk):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
     # Whatever lies past the furthest query (the unwritten cache tail) changes nothing.
     far = int(q_pos.max()) + 1
-    k_junk = k.at[:, :, far:].set(1e4)
+    k_junk = k.at[..., far:].set(1e4)
     np.testing.assert_allclose(np.asarray(decoder.chunked_attention(q, k_junk, v, q_pos, chunk=chunk)),
                                np.asarray(got), atol=1e-5, rtol=0)
 

@@ -74,7 +74,7 @@ def test_windowed_chunked_attention_equals_masked_attention(S, chunk, window):
     rng = np.random.default_rng(S + window)
     B, T, H, Hkv, D = 1, 4, 4, 1, 8
     q = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32)
-    k = jnp.asarray(rng.normal(size=(B, Hkv, S, D)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(B, Hkv, D, S)), jnp.float32)  # transposed, as cached
     v = jnp.asarray(rng.normal(size=(B, Hkv, S, D)), jnp.float32)
     for start in (0, S // 2, S - T):
         q_pos = jnp.asarray(start + np.arange(T)[None], jnp.int32)
@@ -85,7 +85,7 @@ def test_windowed_chunked_attention_equals_masked_attention(S, chunk, window):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
         # Keys before the window change nothing (and are not read: the loop starts past them).
         early = max(int(q_pos.min()) - window + 1, 0)
-        k_junk = k.at[:, :, :early].set(1e4)
+        k_junk = k.at[..., :early].set(1e4)
         np.testing.assert_allclose(np.asarray(decoder.chunked_attention(
             q, k_junk, v, q_pos, chunk=chunk, scale=0.3, window=jnp.int32(window))), np.asarray(got), atol=1e-5)
 

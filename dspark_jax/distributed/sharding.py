@@ -84,9 +84,12 @@ def param_shardings(mesh: Mesh, cfg, layout: str = "stacked") -> dict:
 def cache_shardings(mesh: Mesh, cache):
     from dspark_jax.models.decoder import KVCache
 
-    kv = ("batch", "kv_heads", "seq", "head_dim")
+    k_axes, v_axes = ("batch", "kv_heads", "head_dim", "seq"), ("batch", "kv_heads", "seq", "head_dim")
     if not isinstance(cache.k, tuple):
-        kv = ("layers",) + kv
-    spec = lambda a: NamedSharding(mesh, logical_spec(mesh, kv, a.shape))  # noqa: E731
-    return KVCache(jax.tree.map(spec, cache.k), jax.tree.map(spec, cache.v),
+        k_axes, v_axes = ("layers",) + k_axes, ("layers",) + v_axes
+
+    def spec(axes):
+        return lambda a: NamedSharding(mesh, logical_spec(mesh, axes, a.shape))
+
+    return KVCache(jax.tree.map(spec(k_axes), cache.k), jax.tree.map(spec(v_axes), cache.v),
                    NamedSharding(mesh, logical_spec(mesh, ("batch",), cache.lengths.shape)))

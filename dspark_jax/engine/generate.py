@@ -68,7 +68,7 @@ def prefill(params, flat: FlatPrompts, lengths, key, *, cfg: ModelConfig, sampli
     B = lengths.shape[0]
     cache = decoder.cache_for(params, cfg, B, max_len)
     hidden, cache, _ = decoder.forward_flat(params, cfg, flat.tokens, flat.rows, flat.positions, flat.valid, cache,
-                                            width=width)
+                                            width=width, prefill=True)
     cache = dataclasses.replace(cache, lengths=lengths)
     last_hidden = hidden[jnp.cumsum(lengths) - 1]  # each row's last prompt token
     key, sub = jax.random.split(key)

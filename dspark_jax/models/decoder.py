@@ -10,8 +10,11 @@ params were built (`with_layout`), run by the same layer function and giving ide
   out of the stack inside the scan costs a copy of its weights per step and the scan's carried KV
   cache is copied per layer, so this layout decodes ~1.6x faster there.
 
-The KV cache follows the params' layout (`init_cache`) and keeps keys heads-major, [.., kv_heads,
-max_len, head_dim], the layout attention's dot products read without a transposed copy.
+The KV cache follows the params' layout (`init_cache`). It keeps values heads-major, [.., kv_heads,
+max_len, head_dim], and keys transposed, [.., kv_heads, head_dim, max_len]: the two layouts in which
+the query-key and probability-value products stream the cache with unit stride (on XLA CPU the
+query-key product over keys stored [max_len, head_dim] ran at 8 GB/s, over [head_dim, max_len] at
+20 GB/s: a decode step at batch 32 spends most of its attention time there).
 There is one forward pass, `forward`, over a KV cache with per-row lengths:
 
 * prefill  = `forward` on an empty cache, each row with its own prompt length;
@@ -104,15 +107,14 @@ def linear(lp: dict, name: str, x: jax.Array) -> jax.Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    # stacked layout: [layers, batch, kv_heads, max_len, head_dim]; per-layer layout: a tuple of
-    # [batch, kv_heads, max_len, head_dim], one per layer.
-    k: jax.Array | tuple[jax.Array, ...]
-    v: jax.Array | tuple[jax.Array, ...]
+    # stacked layout: a leading layer axis; per-layer layout: a tuple with one array per layer.
+    k: jax.Array | tuple[jax.Array, ...]  # [(layers,) batch, kv_heads, head_dim, max_len] (transposed)
+    v: jax.Array | tuple[jax.Array, ...]  # [(layers,) batch, kv_heads, max_len, head_dim]
     lengths: jax.Array  # [batch] int32: committed tokens per row
 
     @property
     def max_len(self) -> int:
-        return (self.k[0] if isinstance(self.k, tuple) else self.k).shape[-2]
+        return (self.v[0] if isinstance(self.v, tuple) else self.v).shape[-2]
 
     @property
     def batch_axis(self) -> int:
@@ -120,12 +122,13 @@ class KVCache:
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, layout: str = "stacked") -> KVCache:
-    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, max_len)
+    v_shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     if layout == "per_layer":
-        k = tuple(jnp.zeros(shape, cfg.dtype) for _ in range(cfg.num_layers))
-        v = tuple(jnp.zeros(shape, cfg.dtype) for _ in range(cfg.num_layers))
+        k = tuple(jnp.zeros(k_shape, cfg.dtype) for _ in range(cfg.num_layers))
+        v = tuple(jnp.zeros(v_shape, cfg.dtype) for _ in range(cfg.num_layers))
     else:
-        k, v = jnp.zeros((cfg.num_layers,) + shape, cfg.dtype), jnp.zeros((cfg.num_layers,) + shape, cfg.dtype)
+        k, v = jnp.zeros((cfg.num_layers,) + k_shape, cfg.dtype), jnp.zeros((cfg.num_layers,) + v_shape, cfg.dtype)
     return KVCache(k, v, jnp.zeros((batch,), jnp.int32))
 
 
@@ -274,37 +277,47 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float | None = None) -> jax.Array:
-    """Grouped-query attention. q: [B, T, H, D]; k, v: [B, Hkv, S, D] (heads-major, as the cache
-    holds them); visible: [B, T, S] bool; scale: of the scores (default head_dim ** -0.5).
-
-    The T x group queries of a KV head form one [T*G, D] matrix, so both products are plain batched
-    matmuls over (batch, kv head) that read keys and values in place."""
+def grouped_queries(q: jax.Array, kv_heads: int) -> jax.Array:
+    """[B, T, H, D] -> [B, kv_heads, T*G, D]: the T x G queries of a KV head as one matrix (rows
+    ordered (t, g)), so both attention products are plain batched matmuls over (batch, kv head)."""
     B, T, H, D = q.shape
-    kv_heads = k.shape[1]
     G = H // kv_heads
-    q = q.reshape(B, T, kv_heads, G, D).transpose(0, 2, 1, 3, 4).reshape(B, kv_heads, T * G, D)
+    return q.reshape(B, T, kv_heads, G, D).transpose(0, 2, 1, 3, 4).reshape(B, kv_heads, T * G, D)
+
+
+def ungrouped(out: jax.Array, T: int) -> jax.Array:
+    """The inverse of `grouped_queries` for the attention output: -> [B, T, H*D]."""
+    B, kv_heads, TG, D = out.shape
+    G = TG // T
+    return out.reshape(B, kv_heads, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, kv_heads * G * D)
+
+
+def attention(q: jax.Array, k_t: jax.Array, v: jax.Array, visible: jax.Array, scale: float | None = None) -> jax.Array:
+    """Grouped-query attention. q: [B, T, H, D]; k_t: [B, Hkv, D, S] and v: [B, Hkv, S, D], as the
+    cache holds them; visible: [B, T, S] bool; scale: of the scores (default head_dim ** -0.5)."""
+    B, T, H, D = q.shape
+    kv_heads = k_t.shape[1]
     scale = D ** -0.5 if scale is None else scale
-    scores = jnp.einsum("bkqd,bksd->bkqs", q, k, preferred_element_type=jnp.float32) * scale
-    mask = jnp.repeat(visible, G, axis=1)[:, None]  # rows ordered (t, g) like q's
+    scores = jnp.einsum("bkqd,bkds->bkqs", grouped_queries(q, kv_heads), k_t, preferred_element_type=jnp.float32) * scale
+    mask = jnp.repeat(visible, H // kv_heads, axis=1)[:, None]  # rows ordered (t, g) like q's
     probs = jax.nn.softmax(jnp.where(mask, scores, -1e30), axis=-1).astype(v.dtype)
     out = jnp.einsum("bkqs,bksd->bkqd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(B, kv_heads, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, H * D).astype(q.dtype)
+    return ungrouped(out, T).astype(q.dtype)
 
 
-def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, scale: float | None = None,
+def cache_attention(q: jax.Array, k_t: jax.Array, v: jax.Array, q_positions: jax.Array, scale: float | None = None,
                     window=None) -> jax.Array:
-    """Causal attention of queries at absolute `q_positions` [B, T] over a KV cache k, v
-    [B, Hkv, S, D]: a key at position s is visible to a query at position t iff s <= t (and, with
+    """Causal attention of queries at absolute `q_positions` [B, T] over a KV cache k_t
+    [B, Hkv, D, S], v [B, Hkv, S, D]: a key at position s is visible to a query at position t iff s <= t (and, with
     a `window`, t - window < s).
 
     One row reads keys only as far as its furthest query (`chunked_attention`); several rows take
     one masked pass over the whole cache, since on XLA CPU slicing chunks out of a batch of
     caches costs more than the keys it skips (measured: 6.7 vs 3.2 ms a layer at 32 rows)."""
     if q.shape[0] == 1:
-        return chunked_attention(q, k, v, q_positions, scale=scale, window=window)
-    return attention(q, k, v, key_visible(jnp.arange(k.shape[2], dtype=jnp.int32)[None, None, :],
-                                          q_positions[:, :, None], window), scale)
+        return chunked_attention(q, k_t, v, q_positions, scale=scale, window=window)
+    return attention(q, k_t, v, key_visible(jnp.arange(v.shape[2], dtype=jnp.int32)[None, None, :],
+                                            q_positions[:, :, None], window), scale)
 
 
 def key_visible(key_pos: jax.Array, q_pos: jax.Array, window=None) -> jax.Array:
@@ -313,54 +326,121 @@ def key_visible(key_pos: jax.Array, q_pos: jax.Array, window=None) -> jax.Array:
     return visible if window is None else visible & (key_pos > q_pos - window)
 
 
-def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, chunk: int = 256,
+# A running softmax over chunks of keys ("flash" attention): (running max, denominator, weighted
+# values) per query row, folded one chunk at a time, so attention can visit only the keys it needs.
+def softmax_start(rows: tuple, D: int) -> tuple:
+    f32 = jnp.float32
+    return jnp.full(rows + (1,), -1e30, f32), jnp.zeros(rows + (1,), f32), jnp.zeros(rows + (D,), f32)
+
+
+def softmax_fold(state: tuple, q: jax.Array, k_t: jax.Array, v: jax.Array, visible: jax.Array, scale: float) -> tuple:
+    """Fold keys k_t [..., D, C] / values v [..., C, D] into the running softmax of queries q
+    [..., Q, D]; visible broadcasts to [..., Q, C]."""
+    running_max, denom, acc = state
+    f32 = jnp.float32
+    scores = jnp.where(visible, jnp.einsum("...qd,...ds->...qs", q, k_t, preferred_element_type=f32) * scale, -1e30)
+    new_max = jnp.maximum(running_max, scores.max(-1, keepdims=True))
+    # A query none of whose keys is in this chunk yet adds exp(0)-weighted junk here, which the
+    # rescale by exp(-1e30 - real max) zeroes at its first visible key (its own is always one).
+    probs = jnp.exp(scores - new_max)
+    rescale = jnp.exp(running_max - new_max)
+    acc = acc * rescale + jnp.einsum("...qs,...sd->...qd", probs.astype(v.dtype), v, preferred_element_type=f32)
+    return new_max, denom * rescale + probs.sum(-1, keepdims=True), acc
+
+
+def softmax_result(state: tuple) -> jax.Array:
+    _, denom, acc = state
+    return acc / denom
+
+
+def chunked_attention(q: jax.Array, k_t: jax.Array, v: jax.Array, q_positions: jax.Array, chunk: int = 256,
                       scale: float | None = None, window=None) -> jax.Array:
     """`cache_attention` reading keys only up to the furthest query position (and, with a
     window, from the earliest key the nearest query can see).
 
-    Keys are visited in chunks (a `fori_loop` with a running softmax), as many as the queries
+    Keys are visited in chunks (a `fori_loop` over a running softmax), as many as the queries
     need, so a step costs what the context holds, not what the cache could hold: decoding
     the 2,048th token of a long cache reads 2,048 keys, the 64th reads one chunk, and a local
-    layer reads its window. Equal to `attention(q, k, v, key_visible(...))` up to float rounding."""
+    layer reads its window. Equal to `attention(q, k_t, v, key_visible(...))` up to float rounding."""
     B, T, H, D = q.shape
-    kv_heads, S = k.shape[1], k.shape[2]
+    kv_heads, S = v.shape[1], v.shape[2]
     G = H // kv_heads
     # At least two chunks: a slice spanning the whole cache makes XLA CPU copy the cache per layer.
     chunk = min(chunk, max(S // 2, 1))
-    q = q.reshape(B, T, kv_heads, G, D).transpose(0, 2, 1, 3, 4).reshape(B, kv_heads, T * G, D)
+    qg = grouped_queries(q, kv_heads)
     q_pos = jnp.repeat(q_positions, G, axis=1)[:, None, :, None]  # [B, 1, T*G, 1], rows (t, g) like q's
     num_chunks = jnp.minimum(jnp.max(q_positions) // chunk + 1, -(-S // chunk))
     first_chunk = 0 if window is None else jnp.clip((jnp.min(q_positions) - window + 1) // chunk, 0, num_chunks - 1)
     scale = D ** -0.5 if scale is None else scale
-    f32 = jnp.float32
 
     def visit(c, state):
-        running_max, denom, acc = state
         start = jnp.minimum(c * chunk, S - chunk)  # the last chunk ends at S and overlaps the one before,
-        k_c = jax.lax.dynamic_slice_in_dim(k, start, chunk, axis=2)
-        v_c = jax.lax.dynamic_slice_in_dim(v, start, chunk, axis=2)
-        scores = jnp.einsum("bkqd,bksd->bkqs", q, k_c, preferred_element_type=f32) * scale
         key_pos = start + jnp.arange(chunk, dtype=jnp.int32)
         fresh = key_pos >= c * chunk  # so keys an earlier chunk already counted are masked
-        scores = jnp.where(fresh & key_visible(key_pos, q_pos, window), scores, -1e30)
-        new_max = jnp.maximum(running_max, scores.max(-1, keepdims=True))
-        # A query none of whose keys is in this chunk yet adds exp(0)-weighted junk here, which the
-        # rescale by exp(-1e30 - real max) zeroes at its first visible key (its own is always one).
-        probs = jnp.exp(scores - new_max)
-        rescale = jnp.exp(running_max - new_max)
-        acc = acc * rescale + jnp.einsum("bkqs,bksd->bkqd", probs.astype(v.dtype), v_c, preferred_element_type=f32)
-        return new_max, denom * rescale + probs.sum(-1, keepdims=True), acc
+        return softmax_fold(state, qg, jax.lax.dynamic_slice_in_dim(k_t, start, chunk, axis=3),
+                            jax.lax.dynamic_slice_in_dim(v, start, chunk, axis=2),
+                            fresh & key_visible(key_pos, q_pos, window), scale)
 
-    rows = (B, kv_heads, T * G, 1)
-    init = (jnp.full(rows, -1e30, f32), jnp.zeros(rows, f32), jnp.zeros(rows[:-1] + (D,), f32))
-    _, denom, acc = jax.lax.fori_loop(first_chunk, num_chunks, visit, init)
-    out = acc / denom
-    return out.reshape(B, kv_heads, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, H * D).astype(q.dtype)
+    state = jax.lax.fori_loop(first_chunk, num_chunks, visit, softmax_start((B, kv_heads, T * G), D))
+    return ungrouped(softmax_result(state), T).astype(q.dtype)
+
+
+def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, positions: jax.Array,
+                      valid: jax.Array, scale: float | None = None, window=None, chunk: int = 128) -> jax.Array:
+    """Causal attention of a prefill's flattened tokens among themselves (every row's cache empty).
+
+    q [N, H, D], k, v [N, Hkv, D] as projected; rows, positions [N]; valid [N] bool. Each row's
+    tokens are contiguous in the flat order and start at position 0 (`generate.flatten_prompts`),
+    so token n sees exactly the flat tokens m <= n of its own row (within `window`). -> [N, H*D].
+
+    Query blocks of `chunk` tokens visit key blocks from the one holding their earliest row's first
+    token up to their own (nested `fori_loop`s over a running softmax): the cost follows the tokens
+    and each prompt's length, not rows x longest prompt x cache as in the padded per-row layout
+    (32 chat prompts: ~10x fewer scores)."""
+    N, H, D = q.shape
+    kv_heads = k.shape[1]
+    G = H // kv_heads
+    C = min(chunk, N)
+    nb = -(-N // C)
+    pad = nb * C - N
+    if pad:
+        q, k, v = (jnp.pad(a, ((0, pad), (0, 0), (0, 0))) for a in (q, k, v))
+        rows, positions, valid = jnp.pad(rows, (0, pad)), jnp.pad(positions, (0, pad)), jnp.pad(valid, (0, pad))
+    index = jnp.arange(nb * C, dtype=jnp.int32)
+    row_start = index - positions  # flat index of each token's row's first token; nondecreasing
+    qb = grouped_queries(q.reshape(nb, C, H, D), kv_heads)  # [nb, Hkv, C*G, D]
+    kb = k.reshape(nb, C, kv_heads, D).transpose(0, 2, 3, 1)  # [nb, Hkv, D, C]
+    vb = v.reshape(nb, C, kv_heads, D).transpose(0, 2, 1, 3)  # [nb, Hkv, C, D]
+    q_index = jnp.repeat(index.reshape(nb, C), G, axis=1)[:, None, :, None]  # [nb, 1, C*G, 1], rows (t, g)
+    q_row = jnp.repeat(rows.reshape(nb, C), G, axis=1)[:, None, :, None]
+    scale = D ** -0.5 if scale is None else scale
+
+    def query_block(c, out):
+        first_key = row_start[c * C] if window is None else jnp.maximum(row_start[c * C], c * C - window + 1)
+        qi, qr = q_index[c], q_row[c]
+
+        def visit(j, state):
+            key_index = j * C + jnp.arange(C, dtype=jnp.int32)
+            visible = (key_index <= qi) & (rows[key_index] == qr) & valid[key_index]
+            if window is not None:
+                visible &= key_index > qi - window
+            return softmax_fold(state, qb[c], kb[j], vb[j], visible, scale)
+
+        state = jax.lax.fori_loop(first_key // C, c + 1, visit, softmax_start((kv_heads, C * G), D))
+        return out.at[c].set(softmax_result(state))
+
+    out = jax.lax.fori_loop(0, nb, query_block, jnp.zeros((nb, kv_heads, C * G, D), jnp.float32))
+    return ungrouped(out, C).reshape(nb * C, H * D)[:N].astype(q.dtype)
 
 
 def heads_major(x: jax.Array) -> jax.Array:
-    """[B, T, Hkv, D] (as projected) -> [B, Hkv, T, D] (as cached and attended)."""
+    """Values [B, T, Hkv, D] (as projected) -> [B, Hkv, T, D] (as cached and attended)."""
     return x.swapaxes(1, 2)
+
+
+def transposed_keys(x: jax.Array) -> jax.Array:
+    """Keys [B, T, Hkv, D] (as projected) -> [B, Hkv, D, T] (as cached and attended)."""
+    return x.transpose(0, 2, 3, 1)
 
 
 def project_qkv(lp: dict, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array):
@@ -467,7 +547,7 @@ def forward(
     def attend(lp, q, k_new, v_new, kv, i):
         k_all, v_all = kv
         # Scatter the new keys/values at each row's own positions; past the end is dropped.
-        k_layer = layer_get(k_all, i).at[rows, :, positions].set(k_new, mode="drop")
+        k_layer = layer_get(k_all, i).at[rows, :, :, positions].set(k_new, mode="drop")
         v_layer = layer_get(v_all, i).at[rows, :, positions].set(v_new, mode="drop")
         out = cache_attention(q, k_layer, v_layer, positions, cfg.attention_scale, layer_window(cfg, i))
         return out, (layer_set(k_all, i, k_layer), layer_set(v_all, i, v_layer))
@@ -498,7 +578,7 @@ def forward_packed(
     def attend(lp, q, k, v, carry, i):
         # Within a segment slots are consecutive positions, so slot distance is position distance.
         visible = key_visible(slot[None, None, :], slot[None, :, None], layer_window(cfg, i)) & same_segment
-        return attention(q, heads_major(k), heads_major(v), visible, cfg.attention_scale), carry
+        return attention(q, transposed_keys(k), heads_major(v), visible, cfg.attention_scale), carry
 
     cos, sin = rope_tables(cfg, positions)
     x = embed(params, cfg, tokens)
@@ -517,6 +597,7 @@ def forward_flat(
     cache: KVCache,
     tap_layers: Sequence[int] = (),
     width: int | None = None,
+    prefill: bool = False,
 ) -> tuple[jax.Array, KVCache, jax.Array | None]:
     """Verify step over FLATTENED tokens of all requests (DESIGN.md 3.4): cost follows the token
     bucket N, not R x (gamma+1).
@@ -532,7 +613,10 @@ def forward_flat(
     `cache.lengths` is NOT changed: the caller commits by setting lengths after acceptance (entries
     past the committed length are invisible to `forward`, so rejected drafts need no cleanup).
     width (static): the most new tokens any one row has in this call (gamma + 1 for a verify step;
-    default N). Returns (final-normed hidden [N, d], cache, taps [len(tap_layers), N, d] or None).
+    default N). prefill (static): every row's cache is empty and its tokens lie contiguous in the
+    flat order from position 0 (`generate.flatten_prompts`); attention then stays among this call's
+    tokens (`prefill_attention`) instead of the padded [R, width] layout below.
+    Returns (final-normed hidden [N, d], cache, taps [len(tap_layers), N, d] or None).
     """
     width = tokens.shape[0] if width is None else width
     R = cache.lengths.shape[0]
@@ -551,8 +635,12 @@ def forward_flat(
 
     def attend(lp, q, k_new, v_new, kv, i):
         k_all, v_all = kv
-        k_layer = layer_get(k_all, i).at[write_rows, :, positions].set(k_new[0], mode="drop")  # [R, Hkv, S, D]
-        v_layer = layer_get(v_all, i).at[write_rows, :, positions].set(v_new[0], mode="drop")
+        k_layer = layer_get(k_all, i).at[write_rows, :, :, positions].set(k_new[0], mode="drop")  # [R, Hkv, D, S]
+        v_layer = layer_get(v_all, i).at[write_rows, :, positions].set(v_new[0], mode="drop")  # [R, Hkv, S, D]
+        if prefill:
+            out = prefill_attention(q[0], k_new[0], v_new[0], rows, positions, valid, cfg.attention_scale,
+                                    layer_window(cfg, i))[None]
+            return out, (layer_set(k_all, i, k_layer), layer_set(v_all, i, v_layer))
         q_padded = jnp.zeros((R, width) + q.shape[2:], q.dtype).at[write_rows, slot].set(q[0], mode="drop")
         out = cache_attention(q_padded, k_layer, v_layer, padded_pos, cfg.attention_scale,
                               layer_window(cfg, i))  # [R, width, H*D]
