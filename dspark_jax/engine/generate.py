@@ -131,6 +131,22 @@ def flatten_prompts(prompts: Sequence[Sequence[int]]) -> FlatPrompts:
                        jnp.asarray(np.arange(n) < sum(lengths)))
 
 
+def padded_as_flat(tokens: jax.Array, lengths: jax.Array) -> FlatPrompts:
+    """Right-padded prompts [B, W] as FlatPrompts of all B x W slots, the padding invalid (for a
+    caller that holds only the padded layout; the dense layers then run on every slot)."""
+    B, W = tokens.shape
+    rows = jnp.repeat(jnp.arange(B, dtype=jnp.int32), W)
+    positions = jnp.tile(jnp.arange(W, dtype=jnp.int32), B)
+    return FlatPrompts(tokens.reshape(-1).astype(jnp.int32), rows, positions, positions < lengths[rows])
+
+
+def unflatten(x: jax.Array, flat: FlatPrompts, rows: int, width: int) -> jax.Array:
+    """Per-token values of a flat prefill [N, ...] laid out per row, [rows, width, ...] (zeros
+    where a row has no token)."""
+    target = jnp.where(flat.valid, flat.rows, rows)  # padding goes out of range and is dropped
+    return jnp.zeros((rows, width) + x.shape[1:], x.dtype).at[target, flat.positions].set(x, mode="drop")
+
+
 def check_context(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
     longest = max(prompt_lengths)
     if min(prompt_lengths) == 0:

@@ -31,7 +31,8 @@ from dspark_jax.engine import scheduler as S
 from dspark_jax.engine.acceptance import verify_greedy, verify_sampled
 from dspark_jax.engine.fallback import PlainStepGate
 from dspark_jax.engine.sps import SPSTable, pad_to_bucket
-from dspark_jax.engine.generate import GenerationResult, compiled, continuous_batching, pad_prompts, stop_mask
+from dspark_jax.engine.generate import (FlatPrompts, GenerationResult, compiled, continuous_batching,
+                                         flatten_prompts, pad_prompts, padded_as_flat, stop_mask, unflatten)
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.engine.sampling import SamplingConfig, processed_log_probs, sample
@@ -107,14 +108,20 @@ def schedule(cfg: SpecConfig, confidence_logits: jax.Array | None, temperatures:
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "cfg", "max_len"))
-def spec_prefill(target_params, dparams, tokens, lengths, max_new, key, *, tcfg: ModelConfig, dcfg: DrafterConfig,
-                 cfg: SpecConfig, max_len: int) -> SpecState:
-    B = tokens.shape[0]
+def spec_prefill(target_params, dparams, tokens, lengths, max_new, key, flat: FlatPrompts | None = None, *,
+                 tcfg: ModelConfig, dcfg: DrafterConfig, cfg: SpecConfig, max_len: int) -> SpecState:
+    """Prefill the target and the drafter from right-padded prompts tokens [B, W] with `lengths`.
+    The target runs over the prompts flattened (`flat`, from `flatten_prompts`: its dense layers
+    then cost the real tokens, not B x W; default: every padded slot)."""
+    B, W = tokens.shape
+    flat = padded_as_flat(tokens, lengths) if flat is None else flat
     cache = decoder.cache_for(target_params, tcfg, B, max_len)
-    hidden, cache, taps = decoder.forward(target_params, tcfg, tokens, cache, lengths, dcfg.tap_layers)
-    draft = drafting.start(dparams, dcfg, target_params, tokens, lengths, jnp.concatenate(list(taps), -1), max_len,
-                           jnp.dtype(tcfg.dtype))
-    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    hidden, cache, taps = decoder.forward_flat(target_params, tcfg, flat.tokens, flat.rows, flat.positions, flat.valid,
+                                               cache, dcfg.tap_layers, width=W, prefill=True)
+    cache = dataclasses.replace(cache, lengths=lengths)
+    taps = unflatten(jnp.concatenate(list(taps), -1), flat, B, W)  # [B, W, m*d]
+    draft = drafting.start(dparams, dcfg, target_params, tokens, lengths, taps, max_len, jnp.dtype(tcfg.dtype))
+    last = jnp.take_along_axis(unflatten(hidden, flat, B, W), (lengths - 1)[:, None, None], axis=1)[:, 0]
     key, sub = jax.random.split(key)
     first = sample(sub, decoder.logits(target_params, tcfg, last), cfg.sampling)
     output = jnp.zeros((B, int(max_len)), jnp.int32).at[:, 0].set(first)
@@ -350,7 +357,7 @@ def speculative_generate(
     tokens, lengths, max_len = pad_prompts(tcfg, prompts, max_new_tokens, slack=cfg.gamma + 1)
     temps = None if temperatures is None else jnp.asarray(temperatures, jnp.float32)
     args = (target_params, dparams, jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32),
-            jnp.full((len(prompts),), max_new_tokens, jnp.int32), jax.random.key(seed))
+            jnp.full((len(prompts),), max_new_tokens, jnp.int32), jax.random.key(seed), flatten_prompts(prompts))
     t0 = time.perf_counter()
     run_prefill = compiled(spec_prefill, args, dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg, max_len=max_len))
     gate = gate or (PlainStepGate.from_table(cfg.sps, len(prompts), cfg.gamma) if cfg.plain_steps else None)
@@ -508,7 +515,7 @@ def speculative_serve(
     def prefill_args(batch, budgets, key):
         tokens, lengths, _ = pad_prompts(tcfg, batch, max_new_tokens)
         return (target_params, dparams, jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32),
-                jnp.asarray(budgets, jnp.int32), key)
+                jnp.asarray(budgets, jnp.int32), key, flatten_prompts(batch))
 
     first = list(prompts[:slots])
     owner = list(range(len(first))) + [-1] * (slots - len(first))
