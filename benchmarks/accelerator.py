@@ -851,7 +851,8 @@ def write_synthetic_data(folder: str, target, rows: int, seq_len: int, steps: in
     tokens, the rest response), enough for `steps` batches of `rows` rows and then some."""
     import numpy as np
 
-    from dspark_jax.data.datagen import FORMAT, MANIFEST, write_json_atomic, write_shard
+    from dspark_jax.core.files import atomic_write_json
+    from dspark_jax.data.datagen import FORMAT, MANIFEST, write_shard
 
     rng = np.random.default_rng(seed)
     cfg = target.config
@@ -864,7 +865,7 @@ def write_synthetic_data(folder: str, target, rows: int, seq_len: int, steps: in
     os.makedirs(folder, exist_ok=True)
     entry = write_shard(os.path.join(folder, "shard-00000.npz"), prompts, responses, [str(i) for i in range(n)],
                         [True] * n)
-    write_json_atomic(os.path.join(folder, MANIFEST), {
+    atomic_write_json(os.path.join(folder, MANIFEST), {
         "format": FORMAT, "target": target.name, "complete": True, "shards": [entry],
         "target_shape": dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers)})
     return folder
