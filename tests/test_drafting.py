@@ -63,3 +63,32 @@ def test_round_by_round_context_equals_prefix_context(kind):
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     np.testing.assert_allclose(np.asarray(a.log_probs), np.asarray(b.log_probs), atol=1e-4)
     np.testing.assert_array_equal(np.asarray(state.cache.lengths), np.asarray(fresh.cache.lengths))
+
+
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_engine_prefill_gives_the_drafter_the_prompt_context(kind):
+    """The engine's prefill (the target over the flattened prompts, or over every padded slot)
+    leaves the drafter where drafting.start gets from the padded forward pass: the same next draft
+    (a wrong context would only lower tau, which losslessness tests cannot see)."""
+    from dspark_jax.engine.generate import flatten_prompts
+    from dspark_jax.engine.speculative import SpecConfig, spec_prefill
+
+    dcfg, dparams = DRAFTERS[kind]()
+    rng = np.random.default_rng(5)
+    lengths = np.array([6, 13, 1], np.int32)
+    prompts = [rng.integers(1, 48, size=n).tolist() for n in lengths]
+    tokens = np.zeros((len(prompts), 16), np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = p
+    _, taps = prefill(jnp.asarray(tokens), jnp.asarray(lengths))
+    want = drafting.start(dparams, dcfg, TARGET, jnp.asarray(tokens), jnp.asarray(lengths), taps, MAX_LEN,
+                          jnp.float32)
+    key = jax.random.key(3)
+    for flat in (flatten_prompts(prompts), None):
+        state = spec_prefill(TARGET, dparams, jnp.asarray(tokens), jnp.asarray(lengths),
+                             jnp.full((len(prompts),), 8, jnp.int32), jax.random.key(0), flat, tcfg=TCFG, dcfg=dcfg,
+                             cfg=SpecConfig(gamma=G), max_len=MAX_LEN)
+        got = drafting.propose(dparams, dcfg, TARGET, TCFG, state.draft, state.anchor, key, SamplingConfig(), G)
+        ref = drafting.propose(dparams, dcfg, TARGET, TCFG, want, state.anchor, key, SamplingConfig(), G)
+        np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+        np.testing.assert_allclose(np.asarray(got.log_probs), np.asarray(ref.log_probs), atol=1e-4)
