@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--name", default="generate", help="results file name")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="our weights (bfloat16: bf16 weights, fp32 activations on a CPU); transformers stays fp32")
     args = ap.parse_args()
 
     import numpy as np
@@ -58,7 +60,7 @@ def main() -> None:
     from dspark_jax.engine.generate import generate
 
     torch.set_num_threads(os.cpu_count())
-    target = load_target(args.target)
+    target = load_target(args.target, dtype=args.dtype)
     tok = target.tokenizer
     hf_model = hf_tok = None
     if not args.skip_transformers:
@@ -120,7 +122,8 @@ def main() -> None:
         md.append(f"| {r['batch']} | {r['new_tokens']} | {r['ours_tokens_per_s']:.1f} | "
                   f"{r['ours_decode_tokens_per_s']:.1f} | {cell(r, 'transformers_tokens_per_s', '{:.1f}')} | "
                   f"{cell(r, 'speedup', '{:.2f}x')} | {cell(r, 'rows_agreeing_first_32', '{:.2f}')} |")
-    md.append(f"\nfp32, greedy, target {args.target} ({os.path.basename(target.path)}, dequantised to fp32) on both sides; "
+    ours_dtype = "fp32" if args.dtype == "float32" else "bf16 weights with fp32 activations for dspark_jax, fp32 for transformers"
+    md.append(f"\n{ours_dtype}, greedy, target {args.target} ({os.path.basename(target.path)}, dequantised to fp32) on both sides; "
               "tokens/s = batch x new tokens / wall time of prefill + decode (median of repeats; "
               "our XLA compile time excluded and listed in the JSON).\n")
     paths = write_results(args.name, {"rows": rows}, "\n".join(md), **({"directory": args.out} if args.out else {}))

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     reference = next(iter(outputs.values()))
     lossless = all(o == reference for o in outputs.values())
     lengths = [len(p) for p in prompts]
-    common.write_benchmark(args, ("target", "drafter", "scheduler", "gamma", "prompts", "max_new_tokens",
+    common.write_benchmark(args, ("target", "drafter", "dtype", "scheduler", "gamma", "prompts", "max_new_tokens",
                                   "max_prompt_tokens", "max_batch", "repeats", "warmup", "seed"), rows,
                            markdown(rows, args, lossless, lengths, engines["plain"].max_batch), lossless=lossless,
                            engines={name: {"drafter": e.drafter, "scheduler": e.scheduler if e.drafter != "none" else None,

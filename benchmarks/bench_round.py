@@ -1,9 +1,10 @@
 """Where a decoding step's time goes: the target's forward at 1..8 new tokens, and a speculative round
 split into its parts, for each decoder layer layout, in one run.
 
-    python benchmarks/bench_round.py [--layouts per_layer,stacked] [--context 256] [--cache 512] [--repeats 15]
+    python benchmarks/bench_round.py [--layouts per_layer,stacked] [--dtypes float32,bfloat16] [--context 256]
+        [--cache 512] [--repeats 15]
 
-Rows (batch 1, SmolLM2-135M fp32 with the shipped drafter, medians of --repeats, compilation excluded):
+Rows (batch 1, SmolLM2-135M with the shipped drafter in each --dtypes, medians of --repeats, compilation excluded):
 * `forward T=n`: the target's extend pass over n new tokens at --context committed tokens, LM head
   on the last position, the cache donated (what a plain decode step or a padded verify pass costs);
 * `forward T=1, long`: the same decode step at a context of --long-context tokens;
@@ -118,6 +119,8 @@ def round_ms(target, drafter, context: int, repeats: int, batch: int = 1) -> dic
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layouts", default="per_layer,stacked")
+    ap.add_argument("--dtypes", default="float32",
+                    help="weight dtypes, one column each per layout (bfloat16: bf16 weights, fp32 activations on a CPU)")
     ap.add_argument("--context", type=int, default=256, help="committed tokens before the measured step")
     ap.add_argument("--cache", type=int, default=512, help="KV-cache length (positions)")
     ap.add_argument("--long-context", type=int, default=2048)
@@ -125,14 +128,19 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     args = ap.parse_args()
 
+    import jax
+    import jax.numpy as jnp
+
     from dspark_jax.checkpoints.registry import default_drafter_path, load_target
     from dspark_jax.drafters.checkpoint import load_drafter
 
     results = []
-    for layout in args.layouts.split(","):
-        target = load_target("smollm2-135m", layout=layout)
+    for layout, dtype in [(lay, dt) for lay in args.layouts.split(",") for dt in args.dtypes.split(",")]:
+        target = load_target("smollm2-135m", dtype=dtype, layout=layout)
         drafter = load_drafter(default_drafter_path("smollm2-135m"), target.config, "smollm2-135m")
-        row = {"layout": layout}
+        drafter = dataclasses.replace(drafter, params=jax.tree.map(lambda a: jnp.asarray(a, target.weight_dtype),
+                                                                   drafter.params))
+        row = {"layout": layout, "dtype": dtype}
         for n in (1, 2, 4, 8):
             row[f"forward T={n}"] = forward_ms(target, n, args.context, args.cache, args.repeats)
         long_cache = args.long_context + 128
@@ -142,13 +150,13 @@ def main() -> None:
         results.append(row)
         print(row, flush=True)
 
-    keys = [k for k in results[0] if k != "layout"]
-    md = ["| ms (batch 1) | " + " | ".join(r["layout"] for r in results) + " |",
+    keys = [k for k in results[0] if k not in ("layout", "dtype")]
+    md = ["| ms (batch 1) | " + " | ".join(f"{r['layout']}, {r['dtype']}" for r in results) + " |",
           "|---|" + "---:|" * len(results)]
     for k in keys:
         fmt = "{:.2f}x" if k == "verify 8 / decode 1" else "{:.1f}"
         md.append(f"| {k} | " + " | ".join(fmt.format(r[k]) for r in results) + " |")
-    md.append(f"\nSmolLM2-135M-Instruct fp32, shipped DSpark drafter (gamma = its block size), greedy; context "
+    md.append(f"\nSmolLM2-135M-Instruct (weights in the column's dtype, activations fp32), shipped DSpark drafter (gamma = its block size), greedy; context "
               f"{args.context} tokens in a {args.cache}-position cache (`long`: {args.long_context} in "
               f"{args.long_context + 128}); medians of {args.repeats}; nothing else ran on the machine.\n")
     paths = write_results("round", {"rows": results, "context": args.context, "cache": args.cache},

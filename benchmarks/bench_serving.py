@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                            f"budget {row['verify_budget']:.2f}")
     _, _, pngs = common.output_paths(args.out, "_throughput", "_budget")
     plot(rows, args.schedulers, gamma, *pngs)
-    common.write_benchmark(args, ("target", "drafter", "rounds", "max_new_tokens", "max_prompt_tokens",
+    common.write_benchmark(args, ("target", "drafter", "dtype", "rounds", "max_new_tokens", "max_prompt_tokens",
                                   "temperature", "threshold", "seed"), rows, markdown(rows, args, gamma, pngs),
                            gamma=gamma)
     return 0

@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                        f"tau {row['tau']:.2f}")
     _, _, (png,) = common.output_paths(args.out, "")
     plot(rows, png)
-    common.write_benchmark(args, ("target", "drafter", "scheduler", "plain_steps", "gamma", "threshold", "limit",
+    common.write_benchmark(args, ("target", "drafter", "dtype", "scheduler", "plain_steps", "gamma", "threshold", "limit",
                            "max_new_tokens",
                            "max_prompt_tokens", "seed"), rows, markdown(rows, args, png))
     return 0

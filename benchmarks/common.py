@@ -46,6 +46,8 @@ def add_speculative_args(parser: argparse.ArgumentParser, out: str) -> None:
     parser.add_argument("--profile-sps", action="store_true",
                         help="re-profile the SPS tables of the dspark schedulers even if cached in .dspark_cache/")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="target and drafter weights (bfloat16: bf16 weights, fp32 activations on a CPU)")
     parser.add_argument("--out", default=out, help="results .md (the .json and .png files go next to it)")
 
 
@@ -54,7 +56,7 @@ def load_benchmark_target(args):
     from dspark_jax.checkpoints.registry import load_target
 
     share_compiled_programs()
-    return load_target(args.target)
+    return load_target(args.target, dtype=args.dtype)
 
 
 def output_paths(out: str, *plots: str) -> tuple[str, str, list[str]]:

@@ -48,9 +48,12 @@ def run_schedule(params, cfg, sequences, chunks, max_len=64, rollback_garbage=Fa
     return got
 
 
-@pytest.mark.parametrize("rollback_garbage", [False, True])
-def test_ragged_extend_matches_full_prefill(rollback_garbage):
+@pytest.mark.parametrize("rollback_garbage,weights", [(False, "float32"), (True, "float32"), (True, "bfloat16")])
+def test_ragged_extend_matches_full_prefill(rollback_garbage, weights):
+    """bfloat16: weights stored in bf16, activations in fp32 (`--dtype bfloat16` on a CPU), where
+    decode steps run their one-row products as two rows (`decoder.weight_einsum`)."""
     params = decoder.init_params(CFG, jax.random.key(0), scale=0.1)
+    params = jax.tree.map(lambda a: a.astype(weights), params)
     rng = np.random.default_rng(0)
     lengths = [30, 22, 27]
     sequences = [rng.integers(0, CFG.vocab_size, size=n).tolist() for n in lengths]
@@ -103,3 +106,13 @@ def test_packed_forward_matches_each_sequence_alone():
         np.testing.assert_allclose(np.asarray(hidden[0, start:start + len(s)]), np.asarray(h_alone[0]), atol=2e-5)
         np.testing.assert_allclose(np.asarray(taps[:, 0, start:start + len(s)]), np.asarray(taps_alone[:, 0]), atol=2e-5)
         start += len(s)
+
+
+def test_one_row_decode_steps_match_full_prefill_with_bf16_weights():
+    """A single row decoding token by token: every product has one row, which bf16 weights run as
+    two on a CPU; the logits must be the full prefill's."""
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), decoder.init_params(CFG, jax.random.key(3), scale=0.1))
+    seq = np.random.default_rng(3).integers(0, CFG.vocab_size, size=20).tolist()
+    got = run_schedule(params, CFG, [seq], [[6]] + [[1]] * 14)
+    ours = np.stack([got[0][i] for i in range(len(seq))])
+    np.testing.assert_allclose(ours, reference_logits(params, CFG, seq), atol=2e-5, rtol=0)

@@ -90,6 +90,26 @@ def test_greedy_speculative_equals_greedy_target(head, policy):
         assert (taus > 1).mean() > 0.2 and (taus < (cfg.gamma if policy != "mtp1" else 1) + 1).any()
 
 
+@pytest.mark.parametrize("policy", ["fixed", "dspark"])
+def test_greedy_speculative_equals_greedy_target_with_bf16_weights(policy):
+    """`--dtype bfloat16` on a CPU: target and drafter weights in bf16, activations in fp32. Verify
+    passes run many-row bf16 products and plain decode steps one-row ones (as two rows); the tokens
+    must still be the plain target's."""
+    to_bf16 = lambda tree: jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), tree)  # noqa: E731
+    target = to_bf16(TARGET)
+    dcfg, dparams = drafter("markov")
+    dparams = to_bf16(dparams)
+    want = generate(target, TCFG, PROMPTS, max_new_tokens=30).token_ids
+    got = speculative_generate(target, TCFG, dparams, dcfg, PROMPTS, max_new_tokens=30,
+                               cfg=SpecConfig(gamma=4, policy=policy, sps=SPS))
+    assert got.token_ids == want
+    accepting, rejecting = round_counts(got)
+    assert accepting >= 4 and rejecting >= 4, (accepting, rejecting)
+    single = speculative_generate(target, TCFG, dparams, dcfg, PROMPTS[:1], max_new_tokens=30,
+                                  cfg=SpecConfig(gamma=4, policy=policy, sps=SPS))  # one-row products
+    assert single.token_ids == want[:1]
+
+
 def test_stop_tokens_mid_block_match_plain_decoding():
     dcfg, dparams = drafter()
     free = generate(TARGET, TCFG, PROMPTS, max_new_tokens=20).token_ids

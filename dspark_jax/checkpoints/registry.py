@@ -55,6 +55,12 @@ class Target:
     params: dict
     tokenizer: Tokenizer
 
+    @property
+    def weight_dtype(self):
+        """The dtype the weights are stored in (a drafter beside this target uses it too); the
+        activations and the KV cache are in `config.dtype`, which may be wider (`decoder.activation_dtype`)."""
+        return self.params["embed"].dtype
+
 
 def known_target_path(name: str) -> str:
     known = KNOWN_TARGETS[name]
@@ -129,8 +135,10 @@ def resolve_target_path(spec: str) -> tuple[str, str]:
 
 
 def load_target(spec: str = DEFAULT_TARGET, dtype: str = "float32", layout: str | None = None) -> Target:
-    """Load a target; its decoder layers come in `layout` (default: the faster one for this backend,
-    see `decoder.with_layout`)."""
+    """Load a target with its weights in `dtype` and its activations in
+    `decoder.activation_dtype(dtype)`;
+    its decoder layers come in `layout` (default: the faster one for this backend, see
+    `decoder.with_layout`)."""
     name, path = resolve_target_path(spec)
     if os.path.isdir(path):
         from dspark_jax.checkpoints.hf import load_hf_model
@@ -141,6 +149,7 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str = "float32", layout: str 
         from dspark_jax.checkpoints.gguf import load_gguf_model
 
         cfg, params, tokenizer = load_gguf_model(path, dtype=dtype)
-    params = jax.tree.map(lambda a: jnp.asarray(a, dtype=cfg.dtype), params)
+    params = jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params)
+    cfg = cfg.replace(dtype=decoder.activation_dtype(dtype))
     params = decoder.with_layout(params, cfg, layout or decoder.default_layout())
     return Target(name, path, cfg, params, tokenizer)

@@ -136,9 +136,15 @@ def init_drafter_params(dcfg: DrafterConfig, key: jax.Array, scale: float = 0.02
 # Backbone
 
 
+def activations(dparams: dict):
+    """The drafter's activation dtype: its weights' (`fc`), widened as the target's are
+    (`decoder.activation_dtype`)."""
+    return jnp.dtype(decoder.activation_dtype(dparams["fc"].dtype))
+
+
 def fuse_context(dparams: dict, dcfg: DrafterConfig, ctx_features: jax.Array) -> jax.Array:
     """H_ctx = RMSNorm(fc([taps])): [..., m*d] -> [..., d]."""
-    h = ctx_features.astype(dparams["fc"].dtype) @ dparams["fc"]
+    h = decoder.weight_einsum("...i,io->...o", ctx_features.astype(activations(dparams)), dparams["fc"])
     return decoder.rms_norm(h, dparams["hidden_norm"], dcfg.rms_norm_eps)
 
 
@@ -169,7 +175,7 @@ def block_attention(q, k_blk, v_blk, k_ctx, v_ctx, ctx_visible):
 def target_embed(target_params: dict, dcfg: DrafterConfig, tokens: jax.Array, dtype) -> jax.Array:
     """The target's frozen embedding of `tokens`, scaled as the target scales it (Gemma); asarray:
     the table may be a host numpy array."""
-    x = jnp.take(jnp.asarray(target_params["embed"]), tokens, axis=0).astype(dtype)
+    x = decoder.take_rows(target_params["embed"], tokens).astype(dtype)
     return x if dcfg.target_embed_scale == 1.0 else x * jnp.asarray(dcfg.target_embed_scale, dtype)
 
 
@@ -182,7 +188,7 @@ def _backbone(dparams, dcfg, target_params, block_tokens, block_positions, conte
     B, N, g = block_tokens.shape
     lcfg = dcfg.layer_config()
     cos, sin = decoder.rope_tables(lcfg, block_positions.reshape(B, N * g))
-    x = target_embed(target_params, dcfg, block_tokens.reshape(B, N * g), dparams["fc"].dtype)
+    x = target_embed(target_params, dcfg, block_tokens.reshape(B, N * g), activations(dparams))
 
     def attend(lp, q, k, v, carry, layer):
         split = lambda a: a.reshape(B, N, g, *a.shape[2:])  # noqa: E731
@@ -205,7 +211,7 @@ def _project_context(lp: dict, lcfg: ModelConfig, h_ctx: jax.Array, positions: j
 
 
 def _markov_embedding(dparams: dict, prev: jax.Array) -> jax.Array:
-    return jnp.take(dparams["markov"]["w1"], prev, axis=0)  # W1[prev] (jnp.take: params may be numpy)
+    return decoder.take_rows(dparams["markov"]["w1"], prev).astype(activations(dparams))  # W1[prev]
 
 
 def _head_step(dparams: dict, dcfg: DrafterConfig, state: jax.Array, prev: jax.Array, h: jax.Array):
@@ -219,7 +225,8 @@ def _head_step(dparams: dict, dcfg: DrafterConfig, state: jax.Array, prev: jax.A
     e = _markov_embedding(dparams, prev)
     if dcfg.head == "markov":
         return state, e
-    z = jnp.concatenate([state, e, h.astype(e.dtype)], axis=-1) @ dparams["rnn"]["w"] + dparams["rnn"]["b"]
+    z = decoder.weight_einsum("...i,io->...o", jnp.concatenate([state, e, h.astype(e.dtype)], axis=-1),
+                              dparams["rnn"]["w"]) + dparams["rnn"]["b"]
     gate, candidate, output = jnp.split(z, 3, axis=-1)
     gate = jax.nn.sigmoid(gate)
     return gate * state + (1.0 - gate) * jnp.tanh(candidate), jnp.tanh(output)
@@ -228,11 +235,11 @@ def _head_step(dparams: dict, dcfg: DrafterConfig, state: jax.Array, prev: jax.A
 def _head_bias(dparams: dict, latent: jax.Array | None) -> jax.Array | float:
     if latent is None:
         return 0.0
-    return jnp.einsum("...r,rv->...v", latent, dparams["markov"]["w2"], preferred_element_type=jnp.float32)
+    return decoder.weight_einsum("...r,rv->...v", latent, dparams["markov"]["w2"], jnp.float32)
 
 
 def _initial_state(dparams: dict, dcfg: DrafterConfig, lead_shape) -> jax.Array:
-    return jnp.zeros((*lead_shape, dcfg.markov_rank if dcfg.head == "rnn" else 0), dparams["fc"].dtype)
+    return jnp.zeros((*lead_shape, dcfg.markov_rank if dcfg.head == "rnn" else 0), activations(dparams))
 
 
 def _confidence_logits(dparams: dict, dcfg: DrafterConfig, h: jax.Array, prev: jax.Array) -> jax.Array:
@@ -241,7 +248,7 @@ def _confidence_logits(dparams: dict, dcfg: DrafterConfig, h: jax.Array, prev: j
     if confidence_input_size(dcfg) > dcfg.hidden_size:
         feats = jnp.concatenate([h, _markov_embedding(dparams, prev).astype(h.dtype)], axis=-1)
     w, b = dparams["confidence"]["w"], dparams["confidence"]["b"]
-    return jnp.einsum("...i,i->...", feats, w, preferred_element_type=jnp.float32) + b.astype(jnp.float32)
+    return decoder.weight_einsum("...i,i->...", feats, w, jnp.float32) + b.astype(jnp.float32)
 
 
 def _teacher_forced_bias(dparams, dcfg, hidden, prev):

@@ -59,7 +59,7 @@ class Speculative:
         self.loaded = load_drafter(args.drafter, target.config, target.name)
         self.dcfg = self.loaded.config
         args.scheduler, self.gamma = drafter_settings(args, self.dcfg)
-        self.dparams = jax.tree.map(lambda a: jnp.asarray(a, target.config.dtype), self.loaded.params)
+        self.dparams = jax.tree.map(lambda a: jnp.asarray(a, target.weight_dtype), self.loaded.params)
         self.policy = args.scheduler.replace("-", "_")
         self.plain_steps = getattr(args, "plain_steps", False) is True  # resolved by `resolve`
         # Every policy but "fixed" verifies fewer tokens than R x (gamma + 1): flatten them into buckets.
@@ -135,7 +135,7 @@ def sps_table(args, target, dcfg, dparams, gamma, max_len, buckets):
     # So does the decoder's layer layout: its costs differ (models/decoder.py).
     drafter = f"{dcfg.kind}-{dcfg.num_layers}L-{dcfg.head}-d{dcfg.hidden_size}"
     layout = decoder.layout_of(target.params)
-    model = (f"{target.name}:{target.config.num_layers}x{target.config.hidden_size}:{target.config.dtype}:{layout}"
+    model = (f"{target.name}:{target.config.num_layers}x{target.config.hidden_size}:{target.weight_dtype}:{layout}"
              f"+{drafter}:kv{max_len}")
     path = args.sps_table or os.path.join(".dspark_cache", f"sps_{target.name}_{layout}_{drafter}_"
                                           f"{device_kind().replace(' ', '_')}_b{args.batch_size}_g{gamma}_kv{max_len}.json")

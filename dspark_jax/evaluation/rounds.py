@@ -52,7 +52,7 @@ def collect_rounds(target, loaded, prompts: list[str], *, max_new_tokens: int, t
     starts = list(range(0, len(prompts), batch_size))  # batch b begins at prompt b * batch_size
 
     def decode_mine() -> dict[int, Rounds]:
-        dparams = jax.tree.map(lambda a: jnp.asarray(a, target.config.dtype), loaded.params)
+        dparams = jax.tree.map(lambda a: jnp.asarray(a, target.weight_dtype), loaded.params)
         cfg = SpecConfig(gamma=gamma, sampling=SamplingConfig(temperature), policy="fixed",
                          stop_ids=tuple(tok.eos_token_ids))
         mine = {}

@@ -96,12 +96,65 @@ def with_layout(params: dict, cfg: ModelConfig, layout: str) -> dict:
     return {**params, "layers": {k: jnp.stack([lp[k] for lp in split]) for k in split[0]}}
 
 
+def activation_dtype(weight_dtype) -> str:
+    """The activations' (and KV cache's) dtype for weights stored in `weight_dtype`: the same,
+    except on a CPU, where bf16 arithmetic outside matrix products is emulated (a decode step in
+    bf16 throughout measured 5x the fp32 one) and bf16 weights go with fp32 activations."""
+    return "float32" if jax.default_backend() == "cpu" else jnp.dtype(weight_dtype).name
+
+
+def _as_bits(a: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(a, jnp.uint16) if _moved_as_bits(a) else a
+
+
+def _moved_as_bits(a) -> bool:
+    # XLA:CPU widens bf16 slices, dynamic slices and gathers to fp32 first, converting the WHOLE
+    # array (a stacked drafter's weights every call: ~10 ms of its 26 ms pass, measured); moved as
+    # uint16 bits they are not converted.
+    return jnp.dtype(a.dtype).itemsize == 2 and jnp.issubdtype(a.dtype, jnp.floating) and \
+        jax.default_backend() == "cpu"
+
+
+def as_bits(tree):
+    """`tree` with its 16-bit float arrays viewed as uint16, to be sliced or scanned over; undo
+    with `from_bits(bits, tree)`."""
+    return jax.tree.map(_as_bits, tree)
+
+
+def from_bits(bits, like):
+    """The inverse of `as_bits`: `like` is the original tree (or one with its dtypes)."""
+    return jax.tree.map(lambda b, a: jax.lax.bitcast_convert_type(b, a.dtype) if b.dtype != a.dtype else b,
+                        bits, like)
+
+
+def take_rows(table: jax.Array, index: jax.Array) -> jax.Array:
+    """table[index] along axis 0 (an embedding lookup), without widening a bf16 table (`as_bits`)."""
+    table = jnp.asarray(table)
+    return from_bits(jnp.take(_as_bits(table), index, axis=0), jax.ShapeDtypeStruct((), table.dtype))
+
+
+def weight_einsum(spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+    """einsum(spec, x, w) of activations x against a weight w ("...i,oi->...o"-style specs), in the
+    weight's dtype, accumulated and returned in `out_dtype` (default: the activations' dtype).
+
+    Weights may be stored narrower than the activations (bf16 weights, fp32 activations: what
+    `--dtype bfloat16` means on a CPU). On CPUs with AMX or AVX512-BF16 a bf16 product of 2-32 rows
+    costs about what one fp32 row does, but XLA:CPU runs a one-row bf16 product through a slow
+    generic loop (~6x a two-row one, measured), so a single row is computed as two, one dropped.
+    """
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    one_row = w.dtype != out_dtype and x.size == x.shape[-1] and jax.default_backend() == "cpu"
+    xw = jnp.stack([x, x]) if one_row else x
+    out = jnp.einsum(spec, xw.astype(w.dtype), w, preferred_element_type=out_dtype)
+    return out[0] if one_row else out
+
+
 def linear(lp: dict, name: str, x: jax.Array) -> jax.Array:
     """x @ W for the layer weight `name`, stored [in, out] or, in the per-layer layout, as name_t
     [out, in]."""
     if name + "_t" in lp:
-        return jnp.einsum("...i,oi->...o", x, lp[name + "_t"])
-    return x @ lp[name]
+        return weight_einsum("...i,oi->...o", x, lp[name + "_t"])
+    return weight_einsum("...i,io->...o", x, lp[name])
 
 
 @jax.tree_util.register_dataclass
@@ -265,7 +318,7 @@ def layer_window(cfg: ModelConfig, i):
 
 def embed(params: dict, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
     """Token embeddings, scaled by `cfg.embed_scale` in the table's dtype (as Gemma does)."""
-    x = params["embed"][tokens].astype(cfg.dtype)
+    x = take_rows(params["embed"], tokens).astype(cfg.dtype)
     if cfg.embed_scale != 1.0:
         x = x * jnp.asarray(cfg.embed_scale, x.dtype)
     return x
@@ -449,7 +502,7 @@ def project_qkv(lp: dict, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin: j
         qkv = linear(lp, "wqkv", x) + (lp["bqkv"] if cfg.qkv_bias else 0)
         q, k, v = jnp.split(qkv, np.cumsum(_fused_widths(cfg)["wqkv"])[:-1], axis=-1)
     else:
-        q, k, v = x @ lp["wq"], x @ lp["wk"], x @ lp["wv"]
+        q, k, v = linear(lp, "wq", x), linear(lp, "wk", x), linear(lp, "wv", x)
         if cfg.qkv_bias:
             q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
@@ -465,7 +518,7 @@ def mlp(lp: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     if "w_gate" not in lp:  # per-layer layout
         gate, up = jnp.split(linear(lp, "w_gate_up", x), 2, axis=-1)
     else:
-        gate, up = x @ lp["w_gate"], x @ lp["w_up"]
+        gate, up = linear(lp, "w_gate", x), linear(lp, "w_up", x)
     act = jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
     return linear(lp, "w_down", act * up)
 
@@ -518,10 +571,11 @@ def run_layers(params: dict, cfg: ModelConfig, x: jax.Array, cos, sin, attend, c
 
     def body(state, lp):
         x, carry, taps, i = state
-        x, carry = layer(lp, x, carry, i)
+        x, carry = layer(from_bits(lp, params["layers"]), x, carry, i)
         return (x, carry, keep(taps, x, i + 1), i + 1), None
 
-    (x, carry, taps, _), _ = jax.lax.scan(body, (x, carry, keep(taps, x, 0), jnp.int32(0)), params["layers"])
+    layers = as_bits(params["layers"])
+    (x, carry, taps, _), _ = jax.lax.scan(body, (x, carry, keep(taps, x, 0), jnp.int32(0)), layers)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), carry, taps
 
 
@@ -656,5 +710,5 @@ def forward_flat(
 def logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """The (frozen) LM head, in fp32: [..., d] -> [..., vocab]."""
     if cfg.tie_word_embeddings:  # contract against the [V, d] table directly: no transposed copy
-        return jnp.einsum("...d,vd->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
-    return jnp.einsum("...d,dv->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)
+        return weight_einsum("...d,vd->...v", hidden, params["embed"], jnp.float32)
+    return weight_einsum("...d,dv->...v", hidden, params["lm_head"], jnp.float32)

@@ -207,7 +207,7 @@ def record_rounds(*, drafter: str, target: str, prompts: int, max_new_tokens: in
     ids = serving_prompts(tgt.tokenizer, prompts, max_prompt_tokens)
     cfg = SpecConfig(gamma=gamma, sampling=SamplingConfig(temperature), policy="fixed",
                      stop_ids=())  # stop tokens ignored, as bench_serving does
-    dparams = jax.tree.map(lambda a: jnp.asarray(a, tgt.config.dtype), loaded.params)
+    dparams = jax.tree.map(lambda a: jnp.asarray(a, tgt.weight_dtype), loaded.params)
     temps = None if loaded.sts_temperatures is None else [float(t) for t in loaded.sts_temperatures[:gamma]]
     logits, accepted, request = [], [], []
     for start in range(0, len(ids), batch_size):
