@@ -77,7 +77,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--length-groups", action=argparse.BooleanOptionalAction, default=True,
                    help="continuous batching: run prompts grouped by KV-cache length, shortest first (a shorter "
                         "cache makes every step of the group cheaper)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights' dtype; bfloat16 keeps fp32 activations on a CPU and is much faster "
+                        "for verify passes and batches on CPUs with AMX or AVX512-BF16 (docs/results.md section 9)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per prompt in input order, then a summary object; no progress bar")

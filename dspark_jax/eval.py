@@ -51,7 +51,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="sampling temperature (0 = greedy)")
     p.add_argument("--batch-size", type=POSITIVE_INT, default=8)
     p.add_argument("--seed", type=flag(int, ge=0, lt=2**32), default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights' dtype; bfloat16 keeps fp32 activations on a CPU and is much faster "
+                        "for verify passes and batches on CPUs with AMX or AVX512-BF16 (docs/results.md section 9)")
     p.add_argument("--thresholds", default=",".join(map(str, DEFAULT_THRESHOLDS)),
                    help="prefix-survival thresholds of the static-threshold sweep")
     p.add_argument("--bins", type=POSITIVE_INT, default=10, help="equal-width bins for ECE and reliability diagrams")
