@@ -318,7 +318,7 @@ def layer_window(cfg: ModelConfig, i):
 
 def embed(params: dict, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
     """Token embeddings, scaled by `cfg.embed_scale` in the table's dtype (as Gemma does)."""
-    x = take_rows(params["embed"], tokens).astype(cfg.dtype)
+    x = jnp.asarray(params["embed"])[tokens].astype(cfg.dtype)
     if cfg.embed_scale != 1.0:
         x = x * jnp.asarray(cfg.embed_scale, x.dtype)
     return x
