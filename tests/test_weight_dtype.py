@@ -58,3 +58,24 @@ def test_activations_are_fp32_on_a_cpu():
     assert jax.default_backend() == "cpu"
     assert decoder.activation_dtype(jnp.bfloat16) == "float32"
     assert decoder.activation_dtype("float32") == "float32"
+
+
+def test_gradients_reach_16_bit_weights_moved_as_bits():
+    """The stacked scan and `take_rows` move bf16 weights as uint16 bits (`decoder.as_bits`); a bf16
+    training step must still get their gradients (through the bits alone they would be zero)."""
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), decoder.init_params(CFG, jax.random.key(0), scale=0.1))
+    assert decoder.layout_of(params) == "stacked"
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, CFG.vocab_size, size=(1, 6)), jnp.int32)
+
+    def loss(p):
+        hidden, _ = decoder.forward_packed(p, CFG, tokens, jnp.arange(6)[None], jnp.ones((1, 6), jnp.int32),
+                                           tap_layers=())  # the training forward
+        return decoder.logits(p, CFG, hidden).astype(jnp.float32).std() + \
+            decoder.take_rows(p["embed"], tokens).astype(jnp.float32).sum()
+
+    got = jax.grad(loss)(params)
+    want = jax.grad(lambda p: loss(jax.tree.map(lambda a: a.astype(jnp.float32), p)))(params)
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        assert np.abs(g).max() > 0, jax.tree_util.keystr(path)
+        np.testing.assert_allclose(g, w, rtol=0.1, atol=0.05 * np.abs(w).max(), err_msg=jax.tree_util.keystr(path))

@@ -103,16 +103,16 @@ def _run_layers(params: dict, dcfg: DrafterConfig, embeds: jax.Array, g: jax.Arr
     cos, sin = decoder.rope_tables(cfg, positions)
 
     def body(g, layer):
-        bits, inputs = layer  # sliced as bits: see `decoder.as_bits`
-        lp = decoder.from_bits(bits, params["layers"])
-        rows = lambda name, part: decoder.from_bits(bits[name][part], params["layers"][name])  # noqa: E731
+        bits, lp, inputs = layer  # sliced as bits too: see `decoder.as_bits`
+        rows = lambda name, part: decoder.from_bits(bits[name][part], lp[name][part])  # noqa: E731
+        lp = decoder.from_bits(bits, lp)
         e = decoder.rms_norm(embeds, lp["input_norm"], cfg.rms_norm_eps)
         lp = dict(lp, attn_norm=lp["hidden_norm"], **{w: rows(w, np.s_[d:]) for w in ("wq", "wk", "wv")},
                   **{b: decoder.weight_einsum("...i,io->...o", e, rows(w, np.s_[:d])) for b, w in
                      (("bq", "wq"), ("bk", "wk"), ("bv", "wv"))})
         return decoder.decoder_layer(lp, cfg, g, cos, sin, lambda lp, q, k, v: attend(q, k, v, inputs))
 
-    return jax.lax.scan(body, g, (decoder.as_bits(params["layers"]), layer_inputs))
+    return jax.lax.scan(body, g, (decoder.as_bits(params["layers"]), params["layers"], layer_inputs))
 
 
 def _fuse(params: dict, ctx_features: jax.Array) -> jax.Array:

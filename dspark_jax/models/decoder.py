@@ -121,16 +121,26 @@ def as_bits(tree):
     return jax.tree.map(_as_bits, tree)
 
 
+@jax.custom_vjp
+def _bits_view(bits: jax.Array, like: jax.Array) -> jax.Array:
+    """`bits` read as `like`'s dtype. The gradient goes to `like` (the same values, moved as a float
+    array): through the uint16 bits it would be zero. Without a gradient `like` is dead code."""
+    return jax.lax.bitcast_convert_type(bits, like.dtype)
+
+
+_bits_view.defvjp(lambda bits, like: (_bits_view(bits, like), None), lambda _, g: (None, g))
+
+
 def from_bits(bits, like):
-    """The inverse of `as_bits`: `like` is the original tree (or one with its dtypes)."""
-    return jax.tree.map(lambda b, a: jax.lax.bitcast_convert_type(b, a.dtype) if b.dtype != a.dtype else b,
-                        bits, like)
+    """The inverse of `as_bits`: `like` is the original tree, moved (sliced, scanned, gathered)
+    the same way, so that gradients reach it (`_bits_view`)."""
+    return jax.tree.map(lambda b, a: _bits_view(b, a) if b.dtype != a.dtype else b, bits, like)
 
 
 def take_rows(table: jax.Array, index: jax.Array) -> jax.Array:
     """table[index] along axis 0 (an embedding lookup), without widening a bf16 table (`as_bits`)."""
     table = jnp.asarray(table)
-    return from_bits(jnp.take(_as_bits(table), index, axis=0), jax.ShapeDtypeStruct((), table.dtype))
+    return from_bits(jnp.take(_as_bits(table), index, axis=0), jnp.take(table, index, axis=0))
 
 
 def weight_einsum(spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
@@ -569,12 +579,12 @@ def run_layers(params: dict, cfg: ModelConfig, x: jax.Array, cos, sin, attend, c
         value = jnp.where(slot >= 0, x, jax.lax.dynamic_index_in_dim(taps, safe, 0, keepdims=False))
         return jax.lax.dynamic_update_index_in_dim(taps, value, safe, 0)
 
-    def body(state, lp):
+    def body(state, layer_params):
         x, carry, taps, i = state
-        x, carry = layer(from_bits(lp, params["layers"]), x, carry, i)
+        x, carry = layer(from_bits(*layer_params), x, carry, i)
         return (x, carry, keep(taps, x, i + 1), i + 1), None
 
-    layers = as_bits(params["layers"])
+    layers = (as_bits(params["layers"]), params["layers"])
     (x, carry, taps, _), _ = jax.lax.scan(body, (x, carry, keep(taps, x, 0), jnp.int32(0)), layers)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), carry, taps
 
