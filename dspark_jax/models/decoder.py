@@ -103,16 +103,16 @@ def activation_dtype(weight_dtype) -> str:
     return "float32" if jax.default_backend() == "cpu" else jnp.dtype(weight_dtype).name
 
 
-def _as_bits(a: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(a, jnp.uint16) if _moved_as_bits(a) else a
-
-
 def _moved_as_bits(a) -> bool:
     # XLA:CPU widens bf16 slices, dynamic slices and gathers to fp32 first, converting the WHOLE
     # array (a stacked drafter's weights every call: ~10 ms of its 26 ms pass, measured); moved as
     # uint16 bits they are not converted.
     return jnp.dtype(a.dtype).itemsize == 2 and jnp.issubdtype(a.dtype, jnp.floating) and \
         jax.default_backend() == "cpu"
+
+
+def _as_bits(a: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(a, jnp.uint16) if _moved_as_bits(a) else a
 
 
 def as_bits(tree):
