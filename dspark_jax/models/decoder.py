@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.models import cpu_kernels
 from dspark_jax.models.config import ModelConfig
 
 
@@ -143,6 +144,10 @@ def take_rows(table: jax.Array, index: jax.Array) -> jax.Array:
     return from_bits(jnp.take(_as_bits(table), index, axis=0), jnp.take(table, index, axis=0))
 
 
+# Specs of a weight stored [out, in] (rows contiguous): what the fp32 few-row CPU kernel computes.
+_ROWS_OF_W = ("...i,oi->...o", "...d,vd->...v")
+
+
 def weight_einsum(spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     """einsum(spec, x, w) of activations x against a weight w ("...i,oi->...o"-style specs), in the
     weight's dtype, accumulated and returned in `out_dtype` (default: the activations' dtype).
@@ -151,8 +156,12 @@ def weight_einsum(spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.
     `--dtype bfloat16` means on a CPU). On CPUs with AMX or AVX512-BF16 a bf16 product of 2-32 rows
     costs about what one fp32 row does, but XLA:CPU runs a one-row bf16 product through a slow
     generic loop (~6x a two-row one, measured), so a single row is computed as two, one dropped.
+    fp32 products of up to 32 rows against a weight stored [out, in] run our CPU kernel
+    (`cpu_kernels`), which streams the weight once for all rows.
     """
     out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if spec.replace(" ", "") in _ROWS_OF_W and out_dtype == jnp.float32 and cpu_kernels.usable(x, w):
+        return cpu_kernels.matmul_t(x, w)
     one_row = w.dtype != out_dtype and x.size == x.shape[-1] and jax.default_backend() == "cpu"
     xw = jnp.stack([x, x]) if one_row else x
     out = jnp.einsum(spec, xw.astype(w.dtype), w, preferred_element_type=out_dtype)
