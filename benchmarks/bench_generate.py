@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import write_results  # noqa: E402
+from common import products_note, write_results  # noqa: E402
 
 
 def load_prompts(n: int) -> list[str]:
@@ -50,7 +50,11 @@ def main() -> None:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="our weights (bfloat16: bf16 weights, fp32 activations on a CPU); transformers stays fp32")
+    ap.add_argument("--xla-dot", action="store_true",
+                    help="fp32 few-row products through XLA's dot instead of our CPU kernel (DSPARK_CPU_KERNELS=0)")
     args = ap.parse_args()
+    if args.xla_dot:
+        os.environ["DSPARK_CPU_KERNELS"] = "0"  # read when the first program is traced
 
     import numpy as np
     import torch
@@ -126,6 +130,7 @@ def main() -> None:
     md.append(f"\n{ours_dtype}, greedy, target {args.target} ({os.path.basename(target.path)}, dequantised to fp32) on both sides; "
               "tokens/s = batch x new tokens / wall time of prefill + decode (median of repeats; "
               "our XLA compile time excluded and listed in the JSON).\n")
+    md.append(products_note(args.xla_dot))
     paths = write_results(args.name, {"rows": rows}, "\n".join(md), **({"directory": args.out} if args.out else {}))
     print("wrote", *paths)
 

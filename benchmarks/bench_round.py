@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import write_results  # noqa: E402
+from common import products_note, write_results  # noqa: E402
 
 
 def median_ms(run, make, repeats: int) -> float:
@@ -126,7 +126,12 @@ def main() -> None:
     ap.add_argument("--long-context", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    ap.add_argument("--name", default="round", help="results file name")
+    ap.add_argument("--xla-dot", action="store_true",
+                    help="fp32 few-row products through XLA's dot instead of our CPU kernel (DSPARK_CPU_KERNELS=0)")
     args = ap.parse_args()
+    if args.xla_dot:
+        os.environ["DSPARK_CPU_KERNELS"] = "0"  # read when the first program is traced
 
     import jax
     import jax.numpy as jnp
@@ -159,7 +164,8 @@ def main() -> None:
     md.append(f"\nSmolLM2-135M-Instruct (weights in the column's dtype, activations fp32), shipped DSpark drafter (gamma = its block size), greedy; context "
               f"{args.context} tokens in a {args.cache}-position cache (`long`: {args.long_context} in "
               f"{args.long_context + 128}); medians of {args.repeats}; nothing else ran on the machine.\n")
-    paths = write_results("round", {"rows": results, "context": args.context, "cache": args.cache},
+    md.append(products_note(args.xla_dot))
+    paths = write_results(args.name, {"rows": results, "context": args.context, "cache": args.cache},
                           "\n".join(md), **({"directory": args.out} if args.out else {}))
     print("wrote", *paths)
 

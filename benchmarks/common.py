@@ -35,6 +35,15 @@ def write_results(name: str, results: dict, markdown: str, directory: str = RESU
     return json_path, md_path
 
 
+def products_note(xla_dot: bool) -> str:
+    """Which code ran the fp32 few-row products against weights (models/cpu_kernels.py)."""
+    from dspark_jax.models import cpu_kernels
+
+    if xla_dot or not cpu_kernels._library():
+        return "fp32 products of few rows: XLA's dot (our CPU kernel off or unavailable).\n"
+    return "fp32 products of up to 32 rows: our CPU kernel (dspark_jax/models/cpu_matmul.cc).\n"
+
+
 def add_speculative_args(parser: argparse.ArgumentParser, out: str) -> None:
     """The options the speculative-decoding benchmarks share (models, engine, output)."""
     parser.add_argument("--drafter", required=True, help="drafter checkpoint folder (trained for --target)")

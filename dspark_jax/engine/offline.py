@@ -129,16 +129,18 @@ def sps_table(args, target, dcfg, dparams, gamma, max_len, buckets):
     verify tokens cost at 256)."""
     from dspark_jax.engine.speculative import profile_verify
     from dspark_jax.engine.sps import SPSTable, device_kind, load_sps_table, save_sps_table
-    from dspark_jax.models import decoder
+    from dspark_jax.models import cpu_kernels, decoder
 
     # The draft cost is part of a round: the table belongs to the drafter's shape as well as the target's.
-    # So do the decoder's layer layout and its weights' dtype: their costs differ (models/decoder.py).
+    # So do the decoder's layer layout, its weights' dtype and what runs the products: their costs differ.
     drafter = f"{dcfg.kind}-{dcfg.num_layers}L-{dcfg.head}-d{dcfg.hidden_size}"
     layout = decoder.layout_of(target.params)
-    model = (f"{target.name}:{target.config.num_layers}x{target.config.hidden_size}:{target.weight_dtype}:{layout}"
-             f"+{drafter}:kv{max_len}")
     weights = "" if target.weight_dtype == "float32" else f"_{target.weight_dtype}"
-    path = args.sps_table or os.path.join(".dspark_cache", f"sps_{target.name}_{layout}{weights}_{drafter}_"
+    # fp32 verify passes through our CPU kernel cost about half what they cost through XLA's dot.
+    products = "_rowkernel" if target.weight_dtype == "float32" and cpu_kernels.active() else ""
+    model = (f"{target.name}:{target.config.num_layers}x{target.config.hidden_size}:{target.weight_dtype}{products}:"
+             f"{layout}+{drafter}:kv{max_len}")
+    path = args.sps_table or os.path.join(".dspark_cache", f"sps_{target.name}_{layout}{weights}{products}_{drafter}_"
                                           f"{device_kind().replace(' ', '_')}_b{args.batch_size}_g{gamma}_kv{max_len}.json")
     if path in _TABLES:
         return _TABLES[path]
