@@ -36,12 +36,13 @@ def write_results(name: str, results: dict, markdown: str, directory: str = RESU
 
 
 def products_note(xla_dot: bool) -> str:
-    """Which code ran the fp32 few-row products against weights (models/cpu_kernels.py)."""
+    """Which code ran the fp32 few-row products and the decode attention (models/cpu_kernels.py)."""
     from dspark_jax.models import cpu_kernels
 
-    if xla_dot or not cpu_kernels._library():
-        return "fp32 products of few rows: XLA's dot (our CPU kernel off or unavailable).\n"
-    return "fp32 products of up to 32 rows: our CPU kernel (dspark_jax/models/cpu_matmul.cc).\n"
+    if xla_dot or not cpu_kernels.active():
+        return "fp32 products of few rows and decode attention: XLA's ops (our CPU kernels off or unavailable).\n"
+    attention = " and decode attention" if cpu_kernels.active("attention") else ""
+    return f"fp32 products of up to 32 rows{attention}: our CPU kernels (dspark_jax/models/cpu_kernels.cc).\n"
 
 
 def add_speculative_args(parser: argparse.ArgumentParser, out: str) -> None:

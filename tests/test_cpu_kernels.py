@@ -1,5 +1,6 @@
-"""The fp32 few-row CPU kernel (models/cpu_kernels.py, cpu_matmul.cc): exact enough, bit-identical
-whatever the row count, used where it should be, with gradients, and replaceable by XLA's dot."""
+"""Our fp32 CPU kernels (models/cpu_kernels.py, cpu_kernels.cc): the few-row product (exact enough,
+bit-identical whatever the row count, with gradients) and the decode attention (equal to masked
+attention, windows and ragged rows included), each used where it should be and replaceable by XLA's ops."""
 
 import os
 import platform
@@ -95,9 +96,64 @@ def test_switched_off_it_falls_back_to_xla():
 @pytest.mark.skipif(not X86 or shutil.which("c++") is None, reason="needs x86-64 and c++")
 def test_builds_into_a_fresh_cache_folder(tmp_path):
     # A new machine: the library is compiled once into the cache folder and then reused.
-    code = ("from dspark_jax.models import cpu_kernels\nassert cpu_kernels._library()\n"
+    code = ("from dspark_jax.models import cpu_kernels\nassert cpu_kernels._library()['matmul']\n"
             "import os\nprint(len(os.listdir(cpu_kernels.cache_dir())))")
     env = {**os.environ, "DSPARK_KERNEL_CACHE": str(tmp_path / "k"), "JAX_PLATFORMS": "cpu"}
     for _ in range(2):
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0 and out.stdout.strip() == "1", out.stderr[-2000:]
+
+
+def masked_attention(q, k_t, v, q_pos, scale, window=None):
+    S = v.shape[2]
+    visible = decoder.key_visible(jnp.arange(S, dtype=jnp.int32)[None, None, :], q_pos[:, :, None], window)
+    return decoder.attention(q, k_t, v, visible, scale)
+
+
+needs_attention_kernel = pytest.mark.skipif(not X86 or cpu_kernels._compiler() is None,
+                                            reason="needs x86-64 and a C++ compiler")
+
+
+def attention_case(B, T, H, Hkv, D, S, seed):
+    q, k_t, v = rand((B, T, H, D), seed), rand((B, Hkv, D, S), seed + 1), rand((B, Hkv, S, D), seed + 2)
+    start = np.random.default_rng(seed).integers(0, S - T, size=B)  # ragged rows: each its own length
+    return q, k_t, v, jnp.asarray(start[:, None] + np.arange(T)[None, :], jnp.int32)
+
+
+@needs_attention_kernel
+@pytest.mark.parametrize("B,T,H,Hkv,D,S", [(1, 1, 9, 3, 64, 384), (1, 8, 9, 3, 64, 512), (3, 1, 9, 3, 64, 2176),
+                                           (32, 1, 9, 3, 64, 512), (2, 5, 8, 2, 128, 80), (2, 3, 4, 1, 256, 48),
+                                           (4, 16, 6, 6, 64, 16 * 7)])
+def test_decode_attention_equals_masked_attention(B, T, H, Hkv, D, S):
+    q, k_t, v, q_pos = attention_case(B, T, H, Hkv, D, S, B + T + S)
+    if not cpu_kernels.attention_usable(q, k_t, v):
+        pytest.skip("no AVX-512 here: XLA's attention runs")
+    got = jax.jit(cpu_kernels.decode_attention, static_argnums=4)(q, k_t, v, q_pos, 0.3)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(masked_attention(q, k_t, v, q_pos, 0.3)), atol=2e-5, rtol=1e-5)
+    # keys past a row's position are not read: junk there changes nothing
+    junk = jnp.arange(S)[None, None, None, :] > q_pos.max(axis=1)[:, None, None, None]
+    k_junk = jnp.where(junk, 1e4, k_t)
+    v_junk = jnp.where(junk.swapaxes(2, 3), jnp.nan, v)
+    again = cpu_kernels.decode_attention(q, k_junk, v_junk, q_pos, 0.3)
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(got))
+
+
+@needs_attention_kernel
+@pytest.mark.parametrize("window", [1, 7, 40])
+def test_decode_attention_windows(window):
+    q, k_t, v, q_pos = attention_case(2, 4, 4, 2, 64, 96, window)
+    if not cpu_kernels.attention_usable(q, k_t, v):
+        pytest.skip("no AVX-512 here: XLA's attention runs")
+    got = cpu_kernels.decode_attention(q, k_t, v, q_pos, 0.125, jnp.int32(window))
+    want = masked_attention(q, k_t, v, q_pos, 0.125, jnp.int32(window))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+
+
+def test_cache_attention_uses_the_kernel_for_few_new_tokens_only():
+    q, k_t, v, q_pos = attention_case(2, 4, 9, 3, 64, 128, 0)
+    if not cpu_kernels.attention_usable(q, k_t, v):
+        pytest.skip("the attention kernel is not available on this machine")
+    assert cpu_kernels.ATTENTION_TARGET in jax.jit(decoder.cache_attention).lower(q, k_t, v, q_pos).as_text()
+    long_q = jnp.zeros((2, cpu_kernels.MAX_NEW_TOKENS + 1, 9, 64))
+    long_pos = jnp.zeros((2, cpu_kernels.MAX_NEW_TOKENS + 1), jnp.int32)
+    assert cpu_kernels.ATTENTION_TARGET not in jax.jit(decoder.cache_attention).lower(long_q, k_t, v, long_pos).as_text()

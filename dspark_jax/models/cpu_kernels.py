@@ -1,17 +1,24 @@
-"""fp32 products of few rows against a weight on a CPU: `matmul_t(x, w) = x @ w.T` (w stored
-[out, in]) through our own kernel (`cpu_matmul.cc`), an XLA:CPU FFI custom call.
+"""Our own XLA:CPU kernels (`cpu_kernels.cc`, FFI custom calls) for the two things a decode step or a
+verify pass does with few new tokens, in fp32:
 
-XLA:CPU's dot costs about twice a matrix-vector product once 2-8 rows share a weight (measured for
+* `matmul_t(x, w) = x @ w.T` against a weight stored [out, in];
+* `decode_attention`: the new tokens' attention over the KV cache, reading only the keys each row
+  can see.
+
+Products: XLA:CPU's dot costs about twice a matrix-vector product once 2-8 rows share a weight (measured for
 SmolLM2-135M's matrices: 1 / 8 rows 24 / 47 ms, against 21 / 27 ms with this kernel), so a verify
 pass of 8 tokens cost 2x a decode step. The kernel streams each weight row once for all rows, on
 XLA's own intra-op thread pool, and reduces every output in the same order whatever the row count
 (a 1-row decode step and an 8-row verify pass agree bit for bit).
+Attention: XLA:CPU either reads the whole cache (a masked pass) or slices chunks of it in a loop,
+and each slice, loop trip and small library call has a fixed cost: ~3 ms of a ~27 ms SmolLM2 step
+at a short context, and at batch 32 every row reads the whole cache.
 
-It is compiled on first use for this machine (`c++ -O3 -march=native` against the FFI headers that
+The library is compiled on first use for this machine (`c++ -O3 -march=native` against the FFI headers that
 jaxlib ships), cached by source, jaxlib version, compiler and CPU, and loaded with ctypes. Where it
 cannot be had (no C++ compiler, not x86-64 with AVX2/AVX-512, a failed build, another backend, or
-DSPARK_CPU_KERNELS=0) `usable` is False and callers keep XLA's dot: same results up to float
-rounding, only slower.
+DSPARK_CPU_KERNELS=0) `usable` / `attention_usable` are False and callers keep XLA's ops: same
+results up to float rounding, only slower.
 """
 
 from __future__ import annotations
@@ -30,12 +37,15 @@ from importlib.resources import files
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 log = logging.getLogger(__name__)
 
 TARGET = "dspark_matmul_f32"
+ATTENTION_TARGET = "dspark_decode_attention_f32"
 MAX_ROWS = 32  # beyond this XLA's blocked GEMMs win (a prefill); measured equal at 32 rows
-_SOURCE = "cpu_matmul.cc"
+_SOURCE = "cpu_kernels.cc"
+MAX_NEW_TOKENS = 16  # attention: decode steps and verify passes (a prefill keeps XLA's)
 
 
 def cache_dir() -> str:
@@ -65,7 +75,7 @@ def _build(compiler: str, source: bytes, include: str) -> str:
     parts = [source, importlib.metadata.version("jaxlib").encode(), version.encode(), _cpu_fingerprint().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
     folder = cache_dir()
-    path = os.path.join(folder, f"cpu_matmul_{key}.so")
+    path = os.path.join(folder, f"cpu_kernels_{key}.so")
     if os.path.exists(path):
         return path
     os.makedirs(folder, exist_ok=True)
@@ -81,29 +91,33 @@ def _build(compiler: str, source: bytes, include: str) -> str:
 
 
 @functools.cache
-def _library() -> bool:
-    """Build (once per machine), load and register the kernel; False where it cannot be had."""
+def _library() -> dict:
+    """Build (once per machine), load and register the kernels -> {"matmul": bool, "attention": bool}."""
+    none = {"matmul": False, "attention": False}
     if os.environ.get("DSPARK_CPU_KERNELS", "1") == "0" or platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
+        return none
     compiler = _compiler()
     if compiler is None:
-        log.info("no C++ compiler: fp32 products use XLA's dot")
-        return False
+        log.info("no C++ compiler: fp32 products and attention use XLA's ops")
+        return none
     try:
         path = _build(compiler, (files("dspark_jax.models") / _SOURCE).read_bytes(), jax.ffi.include_dir())
         lib = ctypes.cdll.LoadLibrary(path)
-        if lib.dspark_matmul_vector_width() == 0:
-            return False
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.dspark_matmul_f32), platform="cpu")
-        return True
+        found = {"matmul": lib.dspark_matmul_vector_width() > 0, "attention": lib.dspark_attention_available() > 0}
+        if found["matmul"]:
+            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.dspark_matmul_f32), platform="cpu")
+        if found["attention"]:
+            jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.dspark_decode_attention_f32),
+                                        platform="cpu")
+        return found
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
-        log.warning("the fp32 CPU kernel could not be built (%s): using XLA's dot", e)
-        return False
+        log.warning("the CPU kernels could not be built (%s): using XLA's ops", e)
+        return none
 
 
-def active() -> bool:
-    """Whether fp32 few-row products run our kernel in this process (the CPU backend, kernel built)."""
-    return jax.default_backend() == "cpu" and _library()
+def active(kernel: str = "matmul") -> bool:
+    """Whether `kernel` ("matmul" or "attention") runs in this process (the CPU backend, kernel built)."""
+    return jax.default_backend() == "cpu" and _library()[kernel]
 
 
 def usable(x: jax.Array, w: jax.Array) -> bool:
@@ -133,3 +147,22 @@ def _backward(res, g):
 
 
 matmul_t.defvjp(_forward, _backward)
+
+
+def attention_usable(q: jax.Array, k_t: jax.Array, v: jax.Array) -> bool:
+    """Whether `decode_attention` runs our kernel: fp32, few new tokens, head_dim 64/128/256, a cache
+    length that is a multiple of 16 (the static shapes)."""
+    return (all(a.dtype == jnp.float32 for a in (q, k_t, v)) and q.shape[1] <= MAX_NEW_TOKENS
+            and q.shape[-1] in (64, 128, 256) and v.shape[2] % 16 == 0 and active("attention"))
+
+
+def decode_attention(q: jax.Array, k_t: jax.Array, v: jax.Array, q_positions: jax.Array, scale: float,
+                     window=None) -> jax.Array:
+    """`decoder.cache_attention` (same arguments and result, [B, T, H*D]) through our kernel: each
+    (row, kv head) attends over the keys its queries can see, p - window < s <= p, and no others.
+    Inference only (no gradient)."""
+    B, T, H, D = q.shape
+    window = jnp.asarray(2**30 if window is None else window, jnp.int32)
+    out = jax.ShapeDtypeStruct((B, T, H * D), jnp.float32)
+    return jax.ffi.ffi_call(ATTENTION_TARGET, out, vmap_method="sequential")(
+        q, k_t, v, q_positions.astype(jnp.int32), window, scale=np.float32(scale))

@@ -1,0 +1,390 @@
+// XLA:CPU FFI custom calls for decode steps, verify passes and drafter passes in fp32, built on first
+// use by dspark_jax/models/cpu_kernels.py with -O3 -march=native:
+// * dspark_matmul_f32: y[M, N] = x[M, K] . w[N, K]^T for few rows M;
+// * dspark_decode_attention_f32: a few new tokens' attention over the KV cache (further below).
+//
+// Why the product: XLA:CPU's dot (and every library it calls) costs about twice a matrix-vector product once
+// M is 2-8 (it packs the weights per call), which made a speculative verify pass cost 2x a decode
+// step. This kernel streams every weight row once for all M rows: a block of NB weight rows is held
+// in registers while MB rows of x are folded into NB x MB vector accumulators, and the next rows of
+// x reuse the block from L1.
+//
+// Each output y[m, n] is reduced in the same order whatever M is, however many rows share its block
+// and whichever thread computes it, so a row gets bit-identical results in a 1-row decode step and in
+// an 8-row verify pass.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+#if defined(__AVX512F__)
+typedef __m512 vf;
+constexpr int VW = 16, NB = 4, MB = 4;  // 16 accumulators + 4 weight vectors + 1 of x: 21 of 32 registers
+static inline vf vzero() { return _mm512_setzero_ps(); }
+static inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256 vf;
+constexpr int VW = 8, NB = 2, MB = 4;  // 8 + 2 + 1 of 16 registers
+static inline vf vzero() { return _mm256_setzero_ps(); }
+static inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#else
+#define DSPARK_NO_VECTOR_KERNEL
+#endif
+
+extern "C" int dspark_matmul_vector_width() {
+#ifdef DSPARK_NO_VECTOR_KERNEL
+  return 0;
+#else
+  return VW;
+#endif
+}
+
+#ifndef DSPARK_NO_VECTOR_KERNEL
+
+// Rows m0..m0+MR of y for weight rows n0..n0+NB.
+template <int MR>
+static inline void block(const float* __restrict x, const float* __restrict w, float* __restrict y, int64_t K,
+                         int64_t N, int64_t n0, int64_t m0) {
+  vf acc[NB][MR];
+#pragma GCC unroll 16
+  for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) acc[j][i] = vzero();
+  const float* wr = w + n0 * K;
+  const float* xr = x + m0 * K;
+  int64_t k = 0;
+  for (; k + VW <= K; k += VW) {
+    vf wv[NB];
+#pragma GCC unroll 16
+    for (int j = 0; j < NB; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(wr + j * K + k + 256), _MM_HINT_T0);  // 1 KiB ahead per row
+      wv[j] = vload(wr + j * K + k);
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      vf xv = vload(xr + i * K + k);
+#pragma GCC unroll 16
+      for (int j = 0; j < NB; ++j) acc[j][i] = vfma(wv[j], xv, acc[j][i]);
+    }
+  }
+  for (int j = 0; j < NB; ++j)
+    for (int i = 0; i < MR; ++i) {
+      float s = vsum(acc[j][i]);
+      for (int64_t t = k; t < K; ++t) s += wr[j * K + t] * xr[i * K + t];
+      y[(m0 + i) * N + n0 + j] = s;
+    }
+}
+
+// Weight rows [lo, hi) for all M rows of x.
+static void rows_range(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t lo,
+                       int64_t hi) {
+  int64_t n0 = lo;
+  for (; n0 + NB <= hi; n0 += NB) {
+    int64_t m0 = 0;
+    for (; m0 + MB <= M; m0 += MB) block<MB>(x, w, y, K, N, n0, m0);
+    switch (M - m0) {
+      case 1: block<1>(x, w, y, K, N, n0, m0); break;
+      case 2: block<2>(x, w, y, K, N, n0, m0); break;
+      case 3: block<3>(x, w, y, K, N, n0, m0); break;
+      default: break;
+    }
+  }
+  for (int64_t n = n0; n < hi; ++n)  // fewer than NB rows left (only at the very end of w)
+    for (int64_t m = 0; m < M; ++m) {
+      float s = 0.f;
+      for (int64_t t = 0; t < K; ++t) s += w[n * K + t] * x[m * K + t];
+      y[m * N + n] = s;
+    }
+}
+
+// Work shared through an atomic chunk counter: the calling thread works too, and a pool task that
+// starts late finds nothing left (it owns a reference, so it never touches a finished call's stack).
+struct Work {
+  const float* x;
+  const float* w;
+  float* y;
+  int64_t M, K, N, chunk, chunks;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void run() {
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+      rows_range(x, w, y, M, K, N, c * chunk, std::min(N, (c + 1) * chunk));
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+static ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                         ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) return ffi::Error::InvalidArgument("x [M, K], w [N, K]");
+  const int64_t M = xd[0], K = xd[1], N = wd[0];
+  auto work = std::make_shared<Work>();
+  work->x = x.typed_data();
+  work->w = w.typed_data();
+  work->y = y->typed_data();
+  work->M = M, work->K = K, work->N = N;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // ~4 chunks per thread (balance), each at least 64 KiB of weights (a task's cost over its scheduling).
+  const int64_t min_rows = std::max<int64_t>(NB, (int64_t{16384} / std::max<int64_t>(K, 1) + NB - 1) / NB * NB);
+  int64_t chunk = (N + 4 * threads - 1) / (4 * threads);
+  chunk = std::max(min_rows, (chunk + NB - 1) / NB * NB);
+  work->chunk = chunk;
+  work->chunks = (N + chunk - 1) / chunk;
+  for (int64_t t = 1; t < std::min(threads, work->chunks); ++t) pool.Schedule([work] { work->run(); });
+  work->run();
+  while (work->done.load(std::memory_order_acquire) < work->chunks) _mm_pause();
+  return ffi::Error::Success();
+}
+
+#else  // no vector unit we know: never called (dspark_matmul_vector_width() == 0), defined for the symbol
+
+static ffi::Error Matmul(ffi::ThreadPool, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>, ffi::ResultBuffer<ffi::F32>) {
+  return ffi::Error::Unimplemented("dspark_matmul_f32 was built without AVX2/AVX-512");
+}
+
+#endif
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dspark_matmul_f32, Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// ---------------------------------------------------------------------------------------------
+// Attention of a few new tokens per row over a KV cache (decode steps and verify passes):
+// q [B, T, H, D], keys cached transposed k_t [B, Hkv, D, S], values v [B, Hkv, S, D], query
+// positions [B, T], window [] -> out [B, T, H * D]. A key at position s is visible to a query at
+// position p iff p - window < s <= p. Each (row, kv head) reads only the keys its queries can see
+// (XLA:CPU reads the whole cache, or slices chunks of it at a cost of their own), in one task.
+// AVX-512 only (masked loads and vector exp); elsewhere dspark_attention_available() is 0.
+
+extern "C" int dspark_attention_available() {
+#if defined(__AVX512F__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+#if defined(__AVX512F__)
+
+// exp(x) for x <= 0 (softmax arguments), Cephes' polynomial, relative error ~1e-7.
+static inline __m512 vexp(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+static inline __mmask16 in_range(int64_t s, int64_t lo, int64_t hi) {  // lanes s..s+15 within [lo, hi)
+  uint32_t m = 0;
+  for (int l = 0; l < 16; ++l) m |= uint32_t(s + l >= lo && s + l < hi) << l;
+  return __mmask16(m);
+}
+
+struct Attention {
+  const float *q, *k, *v;
+  const int32_t* pos;
+  int64_t window;
+  float scale;
+  float* out;
+  int64_t B, T, H, Hkv, D, S;
+
+  // scores[r][s - a] = scale * q_r . k_s for rows r0..r0+RN, key blocks a..e (4 blocks at a time).
+  template <int RN>
+  void scores(const float* const* qr, const float* K, float* sc, int64_t span, int64_t a, int64_t e) const {
+    int64_t s = a;
+    for (; s + 64 <= e; s += 64) {
+      __m512 acc[RN][4];
+      for (int i = 0; i < RN; ++i) for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; ++d) {
+        __m512 kv[4];
+        for (int c = 0; c < 4; ++c) kv[c] = _mm512_loadu_ps(K + d * S + s + 16 * c);
+        for (int i = 0; i < RN; ++i) {
+          __m512 qd = _mm512_set1_ps(qr[i][d]);
+          for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_fmadd_ps(qd, kv[c], acc[i][c]);
+        }
+      }
+      for (int i = 0; i < RN; ++i)
+        for (int c = 0; c < 4; ++c)
+          _mm512_storeu_ps(sc + i * span + (s - a) + 16 * c, _mm512_mul_ps(acc[i][c], _mm512_set1_ps(scale)));
+    }
+    for (; s < e; s += 16) {
+      __m512 acc[RN];
+      for (int i = 0; i < RN; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; ++d) {
+        __m512 kv = _mm512_loadu_ps(K + d * S + s);
+        for (int i = 0; i < RN; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(qr[i][d]), kv, acc[i]);
+      }
+      for (int i = 0; i < RN; ++i) _mm512_storeu_ps(sc + i * span + (s - a), _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
+    }
+  }
+
+  // out_r = sum_s p_r[s] v_s / denom_r for rows r0..r0+RN (p is zero outside a row's keys).
+  template <int DV, int RN>
+  void values(const float* sc, int64_t span, int64_t a, int64_t lo, int64_t hi, const float* V, const float* inv,
+              float* const* outr) const {
+    __m512 acc[RN][DV];
+    for (int i = 0; i < RN; ++i) for (int j = 0; j < DV; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t s = lo; s < hi; ++s) {
+      __m512 vv[DV];
+      for (int j = 0; j < DV; ++j) vv[j] = _mm512_loadu_ps(V + s * D + 16 * j);
+      for (int i = 0; i < RN; ++i) {
+        __m512 p = _mm512_set1_ps(sc[i * span + (s - a)]);
+        for (int j = 0; j < DV; ++j) acc[i][j] = _mm512_fmadd_ps(p, vv[j], acc[i][j]);
+      }
+    }
+    for (int i = 0; i < RN; ++i)
+      for (int j = 0; j < DV; ++j) _mm512_storeu_ps(outr[i] + 16 * j, _mm512_mul_ps(acc[i][j], _mm512_set1_ps(inv[i])));
+  }
+
+  template <int DV>
+  void values_rows(const float* sc, int64_t span, int64_t a, const int64_t* lo, const int64_t* hi, const float* V,
+                   const float* inv, float* const* outr, int64_t R) const {
+    constexpr int RG = DV >= 24 ? 1 : 24 / DV;  // accumulators: RG x DV of the 32 vector registers
+    for (int64_t r0 = 0; r0 < R; r0 += RG) {
+      const int64_t rn = std::min<int64_t>(RG, R - r0);
+      int64_t l = lo[r0], h = hi[r0];
+      for (int64_t i = 1; i < rn; ++i) l = std::min(l, lo[r0 + i]), h = std::max(h, hi[r0 + i]);
+      const float* scr = sc + r0 * span;
+      switch (rn) {
+#define DSPARK_ROWS(n) case n: if constexpr (n <= RG) values<DV, n>(scr, span, a, l, h, V, inv + r0, outr + r0); break;
+        DSPARK_ROWS(1) DSPARK_ROWS(2) DSPARK_ROWS(3) DSPARK_ROWS(4) DSPARK_ROWS(5) DSPARK_ROWS(6)
+#undef DSPARK_ROWS
+        default: break;
+      }
+    }
+  }
+
+  void task(int64_t b, int64_t h) const {
+    const int64_t G = H / Hkv, R = T * G;
+    std::vector<int64_t> lo(R), hi(R);
+    std::vector<const float*> qr(R);
+    std::vector<float*> outr(R);
+    int64_t slo = S, shi = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t p = pos[b * T + t];
+      const int64_t l = std::max<int64_t>(0, p - window + 1), u = std::max<int64_t>(std::min<int64_t>(p, S - 1) + 1, l + 1);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = t * G + g;
+        lo[r] = std::min(l, S - 1), hi[r] = std::min(u, S);
+        qr[r] = q + ((b * T + t) * H + h * G + g) * D;
+        outr[r] = out + ((b * T + t) * H + h * G + g) * D;
+        slo = std::min(slo, lo[r]), shi = std::max(shi, hi[r]);
+      }
+    }
+    const int64_t a = slo / 16 * 16, e = (shi + 15) / 16 * 16, span = e - a;
+    std::vector<float> sc(R * span);
+    const float* K = k + (b * Hkv + h) * D * S;
+    const float* V = v + (b * Hkv + h) * S * D;
+    for (int64_t r0 = 0; r0 < R; r0 += 6) {
+      const int64_t rn = std::min<int64_t>(6, R - r0);
+      switch (rn) {
+#define DSPARK_ROWS(n) case n: scores<n>(qr.data() + r0, K, sc.data() + r0 * span, span, a, e); break;
+        DSPARK_ROWS(1) DSPARK_ROWS(2) DSPARK_ROWS(3) DSPARK_ROWS(4) DSPARK_ROWS(5) DSPARK_ROWS(6)
+#undef DSPARK_ROWS
+        default: break;
+      }
+    }
+    std::vector<float> inv(R);
+    for (int64_t r = 0; r < R; ++r) {  // softmax over the row's own keys; zero elsewhere
+      float* row = sc.data() + r * span;
+      __m512 m = _mm512_set1_ps(-INFINITY);
+      for (int64_t s = a; s < e; s += 16)
+        m = _mm512_mask_max_ps(m, in_range(s, lo[r], hi[r]), m, _mm512_loadu_ps(row + (s - a)));
+      const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t s = a; s < e; s += 16) {
+        __m512 pr = _mm512_maskz_mov_ps(in_range(s, lo[r], hi[r]), vexp(_mm512_sub_ps(_mm512_loadu_ps(row + (s - a)), mx)));
+        _mm512_storeu_ps(row + (s - a), pr);
+        sum = _mm512_add_ps(sum, pr);
+      }
+      inv[r] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    switch (D / 16) {
+      case 4: values_rows<4>(sc.data(), span, a, lo.data(), hi.data(), V, inv.data(), outr.data(), R); break;
+      case 8: values_rows<8>(sc.data(), span, a, lo.data(), hi.data(), V, inv.data(), outr.data(), R); break;
+      case 16: values_rows<16>(sc.data(), span, a, lo.data(), hi.data(), V, inv.data(), outr.data(), R); break;
+      default: break;
+    }
+  }
+};
+
+struct AttentionWork {
+  Attention attn;
+  int64_t tasks;
+  std::atomic<int64_t> next{0}, done{0};
+  void run() {
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+      attn.task(c / attn.Hkv, c % attn.Hkv);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+static ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_t,
+                                  ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> window,
+                                  ffi::ResultBuffer<ffi::F32> out, float scale) {
+  auto qd = q.dimensions();
+  auto kd = k_t.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || qd[3] % 16 != 0 || kd[3] % 16 != 0 || !(qd[3] == 64 || qd[3] == 128 || qd[3] == 256))
+    return ffi::Error::InvalidArgument("q [B, T, H, D], k_t [B, Hkv, D, S]: D in {64, 128, 256}, S a multiple of 16");
+  auto work = std::make_shared<AttentionWork>();
+  work->attn = Attention{q.typed_data(), k_t.typed_data(), v.typed_data(), positions.typed_data(),
+                         int64_t(window.typed_data()[0]), scale, out->typed_data(), qd[0], qd[1], qd[2], kd[1], qd[3], kd[3]};
+  work->tasks = qd[0] * kd[1];
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  for (int64_t t = 1; t < std::min(threads, work->tasks); ++t) pool.Schedule([work] { work->run(); });
+  work->run();
+  while (work->done.load(std::memory_order_acquire) < work->tasks) _mm_pause();
+  return ffi::Error::Success();
+}
+
+#else
+
+static ffi::Error DecodeAttention(ffi::ThreadPool, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
+                                  ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>, ffi::ResultBuffer<ffi::F32>, float) {
+  return ffi::Error::Unimplemented("dspark_decode_attention_f32 needs AVX-512");
+}
+
+#endif
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dspark_decode_attention_f32, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
+
