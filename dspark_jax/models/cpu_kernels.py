@@ -127,6 +127,7 @@ def usable(x: jax.Array, w: jax.Array) -> bool:
 
 
 def _call(x2: jax.Array, w: jax.Array) -> jax.Array:
+    _library()  # registers the target (usable() has built it already)
     out = jax.ShapeDtypeStruct((x2.shape[0], w.shape[0]), jnp.float32)
     return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x2, w)
 
@@ -161,6 +162,7 @@ def decode_attention(q: jax.Array, k_t: jax.Array, v: jax.Array, q_positions: ja
     """`decoder.cache_attention` (same arguments and result, [B, T, H*D]) through our kernel: each
     (row, kv head) attends over the keys its queries can see, p - window < s <= p, and no others.
     Inference only (no gradient)."""
+    _library()
     B, T, H, D = q.shape
     window = jnp.asarray(2**30 if window is None else window, jnp.int32)
     out = jax.ShapeDtypeStruct((B, T, H * D), jnp.float32)
