@@ -1,0 +1,68 @@
+"""Datagen throughput: response tokens per second of `python -m dspark_jax.datagen` at each batch size.
+
+    python benchmarks/bench_datagen.py [--batch-sizes 16,32] [--limit 12] [--max-new-tokens 256] [--xla-dot]
+
+The same prompts (--limit per set of gsm8k, humaneval and arena-hard-v2, train split; datagen's
+own plan: sorted by length, cut into batches) are generated with datagen's default sampling (T 0.7,
+top-p 0.8, top-k 20) into a temporary folder per batch size, after the same run once untimed (it
+compiles every batch shape's programs); tokens/s = response tokens / wall time of the timed run (prefill, decode,
+shard writes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import products_note, write_results  # noqa: E402
+
+SETS = ("gsm8k", "humaneval", "arena-hard-v2")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch-sizes", default="16,32")
+    ap.add_argument("--limit", type=int, default=12, help="prompts per set")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--name", default="datagen", help="results file name")
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    ap.add_argument("--xla-dot", action="store_true",
+                    help="fp32 few-row products and decode attention through XLA's ops instead of our CPU kernels")
+    args = ap.parse_args()
+    if args.xla_dot:
+        os.environ["DSPARK_CPU_KERNELS"] = "0"  # read when the first program is traced
+
+    from dspark_jax.checkpoints.registry import load_target
+    from dspark_jax.data.datagen import generate_dataset
+
+    target = load_target("smollm2-135m")
+    rows = []
+    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        settings = dict(limit=args.limit, max_new_tokens=args.max_new_tokens, batch_size=batch, progress=False)
+        with tempfile.TemporaryDirectory() as warm, tempfile.TemporaryDirectory() as out:
+            generate_dataset(target, SETS, "train", warm, **settings)  # compiles every batch's programs
+            t0 = time.perf_counter()
+            m = generate_dataset(target, SETS, "train", out, **settings)
+            wall = time.perf_counter() - t0
+        row = {"batch": batch, "examples": m["num_examples"], "response_tokens": m["response_tokens"],
+               "wall_s": wall, "response_tokens_per_s": m["response_tokens"] / wall}
+        rows.append(row)
+        print(row, flush=True)
+    md = ["| batch | examples | response tokens | wall s | response tokens/s |", "|---:|---:|---:|---:|---:|"]
+    md += [f"| {r['batch']} | {r['examples']} | {r['response_tokens']} | {r['wall_s']:.1f} | {r['response_tokens_per_s']:.1f} |"
+           for r in rows]
+    md.append(f"\nSmolLM2-135M-Instruct fp32, datagen's sampling (T 0.7, top-p 0.8, top-k 20), up to {args.max_new_tokens} "
+              f"new tokens, {args.limit} train-split prompts each of {', '.join(SETS)}; static batches of datagen's "
+              "plan (a batch runs until its longest response ends).\n")
+    md.append(products_note(args.xla_dot))
+    paths = write_results(args.name, {"rows": rows}, "\n".join(md), **({"directory": args.out} if args.out else {}))
+    print("wrote", *paths)
+
+
+if __name__ == "__main__":
+    main()
