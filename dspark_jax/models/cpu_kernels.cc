@@ -114,22 +114,29 @@ static void rows_range(const float* x, const float* w, float* y, int64_t M, int6
     }
 }
 
-// Work shared through an atomic chunk counter: the calling thread works too, and a pool task that
-// starts late finds nothing left (it owns a reference, so it never touches a finished call's stack).
-struct Work {
-  const float* x;
-  const float* w;
-  float* y;
-  int64_t M, K, N, chunk, chunks;
-  std::atomic<int64_t> next{0}, done{0};
-
-  void run() {
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-      rows_range(x, w, y, M, K, N, c * chunk, std::min(N, (c + 1) * chunk));
-      done.fetch_add(1, std::memory_order_release);
+// fn(0) ... fn(tasks - 1) on the calling thread and up to (pool threads - 1) pool tasks, shared out
+// through an atomic counter. A pool task that starts late finds nothing left; it holds a reference
+// to the shared state, so it never touches a finished call's stack.
+template <class F>
+static void parallel_for(ffi::ThreadPool& pool, int64_t tasks, F fn) {
+  struct Shared {
+    F fn;
+    int64_t tasks;
+    std::atomic<int64_t> next{0}, done{0};
+    Shared(F f, int64_t n) : fn(std::move(f)), tasks(n) {}
+    void run() {
+      for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+        fn(c);
+        done.fetch_add(1, std::memory_order_release);
+      }
     }
-  }
-};
+  };
+  auto shared = std::make_shared<Shared>(std::move(fn), tasks);
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  for (int64_t t = 1; t < std::min(threads, tasks); ++t) pool.Schedule([shared] { shared->run(); });
+  shared->run();
+  while (shared->done.load(std::memory_order_acquire) < tasks) _mm_pause();
+}
 
 static ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                          ffi::ResultBuffer<ffi::F32> y) {
@@ -137,21 +144,16 @@ static ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) return ffi::Error::InvalidArgument("x [M, K], w [N, K]");
   const int64_t M = xd[0], K = xd[1], N = wd[0];
-  auto work = std::make_shared<Work>();
-  work->x = x.typed_data();
-  work->w = w.typed_data();
-  work->y = y->typed_data();
-  work->M = M, work->K = K, work->N = N;
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* yp = y->typed_data();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // ~4 chunks per thread (balance), each at least 64 KiB of weights (a task's cost over its scheduling).
   const int64_t min_rows = std::max<int64_t>(NB, (int64_t{16384} / std::max<int64_t>(K, 1) + NB - 1) / NB * NB);
   int64_t chunk = (N + 4 * threads - 1) / (4 * threads);
   chunk = std::max(min_rows, (chunk + NB - 1) / NB * NB);
-  work->chunk = chunk;
-  work->chunks = (N + chunk - 1) / chunk;
-  for (int64_t t = 1; t < std::min(threads, work->chunks); ++t) pool.Schedule([work] { work->run(); });
-  work->run();
-  while (work->done.load(std::memory_order_acquire) < work->chunks) _mm_pause();
+  parallel_for(pool, (N + chunk - 1) / chunk,
+               [=](int64_t c) { rows_range(xp, wp, yp, M, K, N, c * chunk, std::min(N, (c + 1) * chunk)); });
   return ffi::Error::Success();
 }
 
@@ -338,18 +340,6 @@ struct Attention {
   }
 };
 
-struct AttentionWork {
-  Attention attn;
-  int64_t tasks;
-  std::atomic<int64_t> next{0}, done{0};
-  void run() {
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
-      attn.task(c / attn.Hkv, c % attn.Hkv);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 static ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_t,
                                   ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> window,
                                   ffi::ResultBuffer<ffi::F32> out, float scale) {
@@ -357,14 +347,9 @@ static ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   auto kd = k_t.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || qd[3] % 16 != 0 || kd[3] % 16 != 0 || !(qd[3] == 64 || qd[3] == 128 || qd[3] == 256))
     return ffi::Error::InvalidArgument("q [B, T, H, D], k_t [B, Hkv, D, S]: D in {64, 128, 256}, S a multiple of 16");
-  auto work = std::make_shared<AttentionWork>();
-  work->attn = Attention{q.typed_data(), k_t.typed_data(), v.typed_data(), positions.typed_data(),
-                         int64_t(window.typed_data()[0]), scale, out->typed_data(), qd[0], qd[1], qd[2], kd[1], qd[3], kd[3]};
-  work->tasks = qd[0] * kd[1];
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  for (int64_t t = 1; t < std::min(threads, work->tasks); ++t) pool.Schedule([work] { work->run(); });
-  work->run();
-  while (work->done.load(std::memory_order_acquire) < work->tasks) _mm_pause();
+  const Attention attn{q.typed_data(), k_t.typed_data(), v.typed_data(), positions.typed_data(),
+                       int64_t(window.typed_data()[0]), scale, out->typed_data(), qd[0], qd[1], qd[2], kd[1], qd[3], kd[3]};
+  parallel_for(pool, qd[0] * kd[1], [attn](int64_t c) { attn.task(c / attn.Hkv, c % attn.Hkv); });
   return ffi::Error::Success();
 }
 
