@@ -62,15 +62,4 @@ def sample(key: jax.Array, logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
     """One token per leading index: argmax when greedy, else a draw from the processed distribution."""
     if cfg.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    log_probs = processed_log_probs(logits, cfg)
-    return draw(key, jnp.exp(log_probs - jnp.max(log_probs, axis=-1, keepdims=True)))
-
-
-def draw(key: jax.Array, weights: jax.Array) -> jax.Array:
-    """One index per leading position, drawn with probability proportional to `weights` (>= 0, not
-    all zero) along the last axis: the inverse CDF at one uniform number per row, so a zero weight is
-    never drawn. A Gumbel-max draw (`jax.random.categorical`) makes a random number per vocabulary
-    entry instead, which on XLA:CPU cost 22 ms a step at batch 16 over 49,152 tokens (this: 3.6 ms)."""
-    cdf = jnp.cumsum(weights.astype(jnp.float32), axis=-1)
-    u = jax.random.uniform(key, cdf.shape[:-1] + (1,), jnp.float32) * cdf[..., -1:]
-    return jnp.minimum(jnp.sum(cdf <= u, axis=-1), cdf.shape[-1] - 1).astype(jnp.int32)
+    return jax.random.categorical(key, processed_log_probs(logits, cfg), axis=-1).astype(jnp.int32)
