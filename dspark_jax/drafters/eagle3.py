@@ -48,7 +48,7 @@ from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.core.errors import UserError
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.engine.sampling import SamplingConfig, draw, processed_log_probs
+from dspark_jax.engine.sampling import SamplingConfig, processed_log_probs
 
 
 # --------------------------------------------------------------------------------------------------
@@ -343,7 +343,7 @@ def eagle3_propose(
         if sampling.greedy:
             token = jnp.argmax(log_probs, axis=-1).astype(jnp.int32)
         else:
-            token = draw(key, jnp.exp(log_probs))
+            token = jax.random.categorical(key, log_probs, axis=-1).astype(jnp.int32)
         return (scratch, token, h), (token, log_probs, h[:, 0])
 
     init = (cache, last_token.astype(jnp.int32), _fuse(params, last_feature)[:, None])

@@ -15,8 +15,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.engine.sampling import draw
-
 
 def _leading_true(ok: jax.Array) -> jax.Array:
     """Length of the run of True at the start of each row: [B, g] bool -> [B] int32."""
@@ -51,5 +49,5 @@ def verify_sampled(key: jax.Array, draft_tokens: jax.Array, draft_log_probs: jax
     residual = jnp.where(rejected[:, None], jnp.maximum(p - q, 0.0), p)
     # A rejection implies p(x) < q(x) somewhere, so the residual has mass; guard rounding anyway.
     residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 1e-12, residual, p)
-    bonus = draw(k_bonus, residual)
+    bonus = jax.random.categorical(k_bonus, jnp.log(residual), axis=-1).astype(jnp.int32)
     return accepted, bonus
