@@ -157,3 +157,25 @@ def test_cache_attention_uses_the_kernel_for_few_new_tokens_only():
     long_q = jnp.zeros((2, cpu_kernels.MAX_NEW_TOKENS + 1, 9, 64))
     long_pos = jnp.zeros((2, cpu_kernels.MAX_NEW_TOKENS + 1), jnp.int32)
     assert cpu_kernels.ATTENTION_TARGET not in jax.jit(decoder.cache_attention).lower(long_q, k_t, v, long_pos).as_text()
+
+
+@pytest.mark.skipif(not X86 or shutil.which("c++") is None, reason="needs x86-64 and c++")
+def test_the_avx2_build_computes_the_same_products(tmp_path):
+    # CPUs without AVX-512 (AMD before Zen 4, older Intel) get the 8-lane AVX2 path and XLA's attention;
+    # built here for haswell, it runs on any AVX2 machine.
+    if "avx2" not in cpu_kernels._cpu_fingerprint():
+        pytest.skip("needs an AVX2 CPU")
+    code = ("import jax, jax.numpy as jnp, numpy as np\nfrom dspark_jax.models import cpu_kernels\n"
+            "assert cpu_kernels._library() == {'matmul': True, 'attention': False}, cpu_kernels._library()\n"
+            "rng = np.random.default_rng(0)\n"
+            "for rows, K, N in [(1, 576, 960), (5, 100, 1001), (8, 1536, 576), (32, 64, 13)]:\n"
+            "    x, w = rng.standard_normal((rows, K), np.float32), rng.standard_normal((N, K), np.float32)\n"
+            "    y = np.asarray(jax.jit(cpu_kernels.matmul_t)(jnp.asarray(x), jnp.asarray(w)))\n"
+            "    exact = x.astype(np.float64) @ w.T.astype(np.float64)\n"
+            "    assert np.abs(y - exact).max() <= 2e-6 * np.sqrt(K) * np.abs(exact).max(), (rows, K, N)\n"
+            "    assert np.array_equal(np.asarray(cpu_kernels.matmul_t(jnp.asarray(x[:1]), jnp.asarray(w))), y[:1])\n"
+            "print('ok')")
+    env = {**os.environ, "DSPARK_KERNEL_CACHE": str(tmp_path / "k"), "DSPARK_KERNEL_MARCH": "haswell",
+           "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

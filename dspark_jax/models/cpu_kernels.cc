@@ -160,7 +160,7 @@ static ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
 #else  // no vector unit we know: never called (dspark_matmul_vector_width() == 0), defined for the symbol
 
 static ffi::Error Matmul(ffi::ThreadPool, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>, ffi::ResultBuffer<ffi::F32>) {
-  return ffi::Error::Unimplemented("dspark_matmul_f32 was built without AVX2/AVX-512");
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, "dspark_matmul_f32 was built without AVX2/AVX-512");
 }
 
 #endif
@@ -357,7 +357,7 @@ static ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 
 static ffi::Error DecodeAttention(ffi::ThreadPool, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
                                   ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>, ffi::ResultBuffer<ffi::F32>, float) {
-  return ffi::Error::Unimplemented("dspark_decode_attention_f32 needs AVX-512");
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, "dspark_decode_attention_f32 needs AVX-512");
 }
 
 #endif

@@ -72,7 +72,9 @@ def _compiler() -> str | None:
 
 def _build(compiler: str, source: bytes, include: str) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    parts = [source, importlib.metadata.version("jaxlib").encode(), version.encode(), _cpu_fingerprint().encode()]
+    march = os.environ.get("DSPARK_KERNEL_MARCH", "native")  # e.g. "haswell": the AVX2 path on an AVX-512 CPU
+    parts = [source, importlib.metadata.version("jaxlib").encode(), version.encode(), _cpu_fingerprint().encode(),
+             march.encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
     folder = cache_dir()
     path = os.path.join(folder, f"cpu_kernels_{key}.so")
@@ -84,7 +86,7 @@ def _build(compiler: str, source: bytes, include: str) -> str:
         with open(src, "wb") as f:
             f.write(source)
         out = os.path.join(tmp, "lib.so")
-        subprocess.run([compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w", "-I", include,
+        subprocess.run([compiler, "-O3", f"-march={march}", "-std=c++17", "-shared", "-fPIC", "-w", "-I", include,
                         src, "-o", out], check=True, capture_output=True, timeout=300)
         os.replace(out, path)  # atomic: a concurrent process sees the whole library or none
     return path
