@@ -41,10 +41,10 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
+_SOURCE = "cpu_kernels.cc"
 TARGET = "dspark_matmul_f32"
 ATTENTION_TARGET = "dspark_decode_attention_f32"
 MAX_ROWS = 32  # beyond this XLA's blocked GEMMs win (a prefill); measured equal at 32 rows
-_SOURCE = "cpu_kernels.cc"
 MAX_NEW_TOKENS = 16  # attention: decode steps and verify passes (a prefill keeps XLA's)
 
 
