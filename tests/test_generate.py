@@ -97,3 +97,49 @@ def test_top_k_then_top_p_matches_a_full_sort_reference():
             want = np.zeros_like(row)
             want[kept] = np.exp(row[kept] - row[kept].max())
             np.testing.assert_allclose(probs, want / want.sum(), atol=1e-6)
+
+
+# ------------------------------------------------------------------ per-row random keys
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.5), SamplingConfig(0.9, top_k=8, top_p=0.9)],
+                         ids=["full", "top_k_top_p"])
+def test_sampled_rows_depend_on_their_own_key_alone(sampling):
+    """A row's sampled tokens are a function of its key (fold_in(seed key, row id)): the same
+    whichever rows share its batch, whatever the slots and refill order of continuous batching,
+    and whether the first requests are prefilled together or alone (what makes a resumed datagen
+    run reproduce an uninterrupted one)."""
+    from dspark_jax.engine.generate import serve
+
+    prompts = [[1, 2, 3], [7, 8], [9, 10, 11, 12, 13], [4, 5, 6, 7], [2, 9], [30, 31, 32, 33, 34, 35]]
+    full = generate(PARAMS, CFG, prompts, max_new_tokens=10, sampling=sampling, seed=4).token_ids
+    assert len({tuple(t) for t in full}) == len(prompts)  # the rows do sample
+    assert generate(PARAMS, CFG, prompts[2:4], max_new_tokens=10, sampling=sampling, seed=4).token_ids != full[2:4]
+    for slots, alone in [(1, False), (2, False), (4, True), (6, True)]:
+        out = serve(PARAMS, CFG, prompts, slots=slots, max_new_tokens=10, sampling=sampling, seed=4, each_alone=alone)
+        assert out.token_ids == full, (slots, alone)
+    # a subset keeps its draws when it is given its row ids
+    order = [3, 0, 5]
+    sub = serve(PARAMS, CFG, [prompts[i] for i in order], slots=2, max_new_tokens=10, sampling=sampling, seed=4,
+                request_ids=order, each_alone=True)
+    assert sub.token_ids == [full[i] for i in order]
+
+
+def test_a_tie_in_one_row_leaves_the_other_rows_draws_alone():
+    """Top-k draws among the k candidates, and over the vocabulary only in a row whose cutoff tie
+    keeps more than k tokens; the other rows keep their candidate draws."""
+    from dspark_jax.engine.sampling import sample
+
+    cfg = SamplingConfig(1.0, top_k=2)
+    rng = np.random.default_rng(0)
+    plain = rng.normal(size=(3, 64)).astype(np.float32)
+    tied = plain.copy()
+    tied[1, :5] = tied[1].max() + 1.0  # five tokens tie for first place: top-2 keeps all five
+    keys = jax.random.split(jax.random.key(7), 3)
+    for seed in range(20):
+        keys = jax.random.split(jax.random.key(seed), 3)
+        a, b = np.asarray(sample(keys, jnp.asarray(plain), cfg)), np.asarray(sample(keys, jnp.asarray(tied), cfg))
+        assert a[0] == b[0] and a[2] == b[2]
+        assert b[1] < 5
+    drawn = {int(sample(jax.random.split(jax.random.key(s), 3), jnp.asarray(tied), cfg)[1]) for s in range(60)}
+    assert drawn == {0, 1, 2, 3, 4}  # every tied token, not only the two top_k returned

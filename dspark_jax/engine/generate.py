@@ -39,7 +39,7 @@ class DecodeState:
     output: jax.Array  # [B, max_new] generated ids (valid up to num_generated)
     num_generated: jax.Array  # [B]
     done: jax.Array  # [B] bool
-    key: jax.Array
+    keys: jax.Array  # [B] each row's random key: its t-th token is drawn with fold_in(key, t)
     step: jax.Array  # scalar int32
 
 
@@ -62,20 +62,32 @@ def stop_mask(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "max_len", "max_new", "stop_ids", "width"))
-def prefill(params, flat: FlatPrompts, lengths, key, *, cfg: ModelConfig, sampling: SamplingConfig, max_len: int,
+def prefill(params, flat: FlatPrompts, lengths, keys, *, cfg: ModelConfig, sampling: SamplingConfig, max_len: int,
             max_new: int, stop_ids: tuple[int, ...], width: int) -> DecodeState:
-    """Prefill every row from its prompt's tokens, flattened (see `flatten_prompts`)."""
+    """Prefill every row from its prompt's tokens, flattened (see `flatten_prompts`); keys: one
+    random key per row (`DecodeState.keys`)."""
     B = lengths.shape[0]
     cache = decoder.cache_for(params, cfg, B, max_len)
     hidden, cache, _ = decoder.forward_flat(params, cfg, flat.tokens, flat.rows, flat.positions, flat.valid, cache,
                                             width=width, prefill=True)
     cache = dataclasses.replace(cache, lengths=lengths)
     last_hidden = hidden[jnp.cumsum(lengths) - 1]  # each row's last prompt token
-    key, sub = jax.random.split(key)
-    first = sample(sub, decoder.logits(params, cfg, last_hidden), sampling)
+    first = sample(token_keys(keys, jnp.zeros((B,), jnp.int32)), decoder.logits(params, cfg, last_hidden), sampling)
     output = jnp.zeros((B, max_new), jnp.int32).at[:, 0].set(first)
     done = stop_mask(first, stop_ids) | (max_new <= 1)
-    return DecodeState(cache, first, output, jnp.ones((B,), jnp.int32), done, key, jnp.int32(1))
+    return DecodeState(cache, first, output, jnp.ones((B,), jnp.int32), done, keys, jnp.int32(1))
+
+
+def token_keys(keys: jax.Array, index: jax.Array) -> jax.Array:
+    """The key each row draws its index-th new token with: a row's tokens depend on its own key
+    alone, not on the batch it runs in, its row or the step count (continuous batching, resumes)."""
+    return jax.vmap(jax.random.fold_in)(keys, index)
+
+
+def row_keys(key: jax.Array, ids) -> jax.Array:
+    """One key per request id, fold_in(key, id): how `generate` (id = row) and `serve` (id = the
+    request's index, or the ids the caller gives) key their rows, so both give the same draws."""
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.asarray(ids, jnp.uint32))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "stop_ids", "steps"), donate_argnames=("state",))
@@ -99,14 +111,13 @@ def decode_step(params, s: DecodeState, *, cfg: ModelConfig, sampling: SamplingC
     max_new = s.output.shape[1]
     active = ~s.done
     hidden, cache, _ = decoder.forward(params, cfg, s.last_token[:, None], s.cache, active.astype(jnp.int32))
-    key, sub = jax.random.split(s.key)
-    token = sample(sub, decoder.logits(params, cfg, hidden[:, 0]), sampling)
+    token = sample(token_keys(s.keys, s.num_generated), decoder.logits(params, cfg, hidden[:, 0]), sampling)
     token = jnp.where(active, token, s.last_token)
     rows = jnp.arange(token.shape[0])
     output = s.output.at[rows, s.num_generated].set(jnp.where(active, token, 0), mode="drop")
     num_generated = s.num_generated + active
     done = s.done | (active & stop_mask(token, stop_ids)) | (num_generated >= max_new)
-    return DecodeState(cache, token, output, num_generated, done, key, s.step + 1)
+    return DecodeState(cache, token, output, num_generated, done, s.keys, s.step + 1)
 
 
 @jax.tree_util.register_dataclass
@@ -187,7 +198,8 @@ def generate(
     tokens, lengths, max_len = pad_prompts(cfg, prompts, max_new_tokens)
     stop = tuple(sorted(set(int(s) for s in stop_ids)))
 
-    args = (params, flatten_prompts(prompts), jnp.asarray(lengths, jnp.int32), jax.random.key(seed))
+    args = (params, flatten_prompts(prompts), jnp.asarray(lengths, jnp.int32),
+            row_keys(jax.random.key(seed), np.arange(len(prompts))))
     t0 = time.perf_counter()
     run_prefill = compiled(prefill, args, dict(cfg=cfg, sampling=sampling, max_len=max_len, max_new=max_new_tokens,
                                                stop_ids=stop, width=tokens.shape[1]))
@@ -248,23 +260,24 @@ def set_cache_row(batched: decoder.KVCache, single: decoder.KVCache, row) -> dec
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "max_len", "max_new", "stop_ids", "width"))
-def prefill_request(params, flat: FlatPrompts, lengths, key, index, *, cfg: ModelConfig, sampling: SamplingConfig,
-                    max_len: int, max_new: int, stop_ids: tuple[int, ...], width: int) -> DecodeState:
-    """`prefill` with request `index`'s own key, fold_in(key, index) (no host-side key op per refill)."""
-    return prefill(params, flat, lengths, jax.random.fold_in(key, index), cfg=cfg, sampling=sampling, max_len=max_len,
-                   max_new=max_new, stop_ids=stop_ids, width=width)
+def prefill_request(params, flat: FlatPrompts, lengths, key, request_id, *, cfg: ModelConfig,
+                    sampling: SamplingConfig, max_len: int, max_new: int, stop_ids: tuple[int, ...],
+                    width: int) -> DecodeState:
+    """`prefill` of one request keyed by `row_keys(key, [request_id])` (no host-side key op per refill)."""
+    return prefill(params, flat, lengths, row_keys(key, request_id[None]), cfg=cfg, sampling=sampling,
+                   max_len=max_len, max_new=max_new, stop_ids=stop_ids, width=width)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def admit_row(state: DecodeState, new: DecodeState, row) -> DecodeState:
     """Put a freshly prefilled one-request state into slot `row` of the running batch; the other
-    rows keep their caches and progress, the batch keeps its random key."""
+    rows keep their caches, progress and keys."""
     def put(b, s):
         return jax.lax.dynamic_update_slice_in_dim(b, s.astype(b.dtype), row, 0)
 
     return DecodeState(set_cache_row(state.cache, new.cache, row), put(state.last_token, new.last_token),
                        put(state.output, new.output), put(state.num_generated, new.num_generated),
-                       put(state.done, new.done), state.key, state.step)
+                       put(state.done, new.done), put(state.keys, new.keys), state.step)
 
 
 def serve(
@@ -277,6 +290,8 @@ def serve(
     sampling: SamplingConfig = SamplingConfig(),
     stop_ids: Sequence[int] = (),
     seed: int = 0,
+    request_ids: Sequence[int] | None = None,
+    each_alone: bool = False,
     chunk: int = 16,
     on_finish=None,
     on_progress=None,
@@ -288,30 +303,41 @@ def serve(
     The KV cache is sized for the longest prompt. on_finish(index, token_ids, {"wall_s": ...}) is
     called as each request completes (wall_s: from its prefill to its last token, XLA compilation
     excluded); on_progress(tokens, seconds) after every chunk with the tokens generated so far.
-    Greedy output is token for token `generate`'s; sampled output draws from the same
-    distributions, but which random numbers a row gets depends on the batching."""
+    Request i draws its tokens with key fold_in(key(seed), request_ids[i]) (default: i, as row i
+    of `generate`), so greedy and sampled output are token for token `generate`'s whatever the
+    slots, up to floating-point differences between batch shapes. `each_alone` prefills the first
+    `slots` requests one by one too (slower to start): with the batch-invariant CPU kernels
+    (`models.cpu_kernels`: fp32, <= 32 slots) a request's tokens then do not depend on which others
+    run beside it, which makes resumed datagen runs reproduce uninterrupted ones."""
     if max_new_tokens < 1:
         raise UserError("max_new_tokens must be at least 1")
     n = len(prompts)
     slots = min(slots, n)
+    ids = np.asarray(range(n) if request_ids is None else request_ids, np.uint32)
+    if len(ids) != n:
+        raise ValueError("one request id per prompt")
     _, _, max_len = pad_prompts(cfg, prompts, max_new_tokens)
     stop = tuple(sorted(set(int(s) for s in stop_ids)))
     base_key = jax.random.key(seed)
     statics = dict(cfg=cfg, sampling=sampling, max_len=max_len, max_new=max_new_tokens, stop_ids=stop)
 
-    def prefill_args(batch, key):
-        return (params, flatten_prompts(batch), jnp.asarray([len(p) for p in batch], jnp.int32), key)
+    def prefill_args(batch):
+        return (params, flatten_prompts(batch), jnp.asarray([len(p) for p in batch], jnp.int32))
 
     t0 = time.perf_counter()
-    first_args = prefill_args(prompts[:slots], base_key)
-    run_first = compiled(prefill, first_args, dict(statics, width=bucket(max(len(p) for p in prompts[:slots]))))
+    if each_alone:
+        first_args = (params,)
+        run_first = compiled(empty_state, first_args, dict(cfg=cfg, rows=slots, max_len=max_len, max_new=max_new_tokens))
+    else:
+        first_args = prefill_args(prompts[:slots]) + (row_keys(base_key, ids[:slots]),)
+        run_first = compiled(prefill, first_args, dict(statics, width=bucket(max(len(p) for p in prompts[:slots]))))
     run_chunk = compiled(serve_chunk, (params, run_first.out_info),
                          dict(cfg=cfg, sampling=sampling, stop_ids=stop, steps=chunk))
     run_refill = {}  # one program per prompt length bucket
-    for p in prompts[slots:]:
+    for p in prompts if each_alone else prompts[slots:]:
         w = bucket(len(p))
         if w not in run_refill:
-            run_refill[w] = compiled(prefill_request, prefill_args([p], base_key) + (np.int32(0),),
+            run_refill[w] = compiled(prefill_request, prefill_args([p]) + (base_key, np.uint32(0)),
                                      dict(statics, width=w))
     run_admit = None
     if run_refill:
@@ -321,13 +347,28 @@ def serve(
 
     def refill(state, row, index):
         p = prompts[index]
-        new = run_refill[bucket(len(p))](*prefill_args([p], base_key), np.int32(index))
+        new = run_refill[bucket(len(p))](*prefill_args([p]), base_key, ids[index])
         return run_admit(state, new, np.int32(row))
 
+    def first():
+        state = run_first(*first_args)
+        if each_alone:
+            for row in range(slots):
+                state = refill(state, row, row)
+        return state
+
     results, _, prefill_s, decode_s = continuous_batching(
-        lambda: run_first(*first_args), refill, lambda state, owner: run_chunk(params, state),
+        first, refill, lambda state, owner: run_chunk(params, state),
         requests=n, owner=list(range(slots)), on_finish=on_finish, on_progress=on_progress)
     return GenerationResult(results, prefill_s, decode_s, compile_s)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "rows", "max_len", "max_new"))
+def empty_state(params, *, cfg: ModelConfig, rows: int, max_len: int, max_new: int) -> DecodeState:
+    """A batch of `rows` empty slots (every row done), for `serve` to fill request by request."""
+    zeros = jnp.zeros((rows,), jnp.int32)
+    return DecodeState(decoder.cache_for(params, cfg, rows, max_len), zeros, jnp.zeros((rows, max_new), jnp.int32),
+                       zeros, jnp.ones((rows,), bool), row_keys(jax.random.key(0), np.arange(rows)), jnp.int32(0))
 
 
 def continuous_batching(first, refill, step, *, requests: int, owner: list[int], take=None, on_finish=None,
