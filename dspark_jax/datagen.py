@@ -33,11 +33,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output folder or gs:// URL (resumed if it holds the same run)")
     p.add_argument("--limit", type=POSITIVE_INT, default=None, help="at most N prompts per set (first N in file order)")
     p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=512)
-    p.add_argument("--max-prompt-tokens", type=POSITIVE_INT, default=1024, help="skip longer prompts")
+    p.add_argument("--max-prompt-tokens", type=POSITIVE_INT, default=1024,
+                   help="a longer prompt keeps the start and the end of its text")
     p.add_argument("--temperature", type=setting_flag(SamplingConfig, "temperature"), default=0.7)
     p.add_argument("--top-p", type=setting_flag(SamplingConfig, "top_p"), default=0.8)
     p.add_argument("--top-k", type=setting_flag(SamplingConfig, "top_k"), default=20)
-    p.add_argument("--batch-size", type=POSITIVE_INT, default=16)
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=32,
+                   help="rows decoding together (continuous batching; the responses do not depend on it)")
+    p.add_argument("--shard-size", type=POSITIVE_INT, default=64, help="examples per shard file")
     p.add_argument("--seed", type=flag(int, ge=0, lt=2**32), default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weights' dtype; bfloat16 keeps fp32 activations on a CPU and is much faster "
@@ -62,25 +65,34 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError("--limit must be at least 1")
     from dspark_jax.data.splits import get_split
 
-    for name in sets:  # before the (slow) target load
+    named = {part.strip() for part in args.sets.split(",")}
+    for name in list(sets):  # before the (slow) target load
         if not get_split(name, args.split):
-            raise UserError(f"prompt set {name!r} has no {args.split} prompts")
+            if name in named:
+                raise UserError(f"prompt set {name!r} has no {args.split} prompts")
+            sets.remove(name)  # part of "all" or a domain (aime24 is eval-only)
 
     from dspark_jax.checkpoints.registry import load_target
 
     target = load_target(args.target, dtype=args.dtype)
+    try:
+        before = datagen.read_manifest(args.out)["response_tokens"] if gather.is_primary() else 0
+    except UserError:  # a new folder (a foreign one is refused below)
+        before = 0
     t0 = time.perf_counter()
     m = datagen.generate_dataset(target, sets, args.split, args.out, limit=args.limit, max_new_tokens=args.max_new_tokens,
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                         batch_size=args.batch_size, seed=args.seed, max_prompt_tokens=args.max_prompt_tokens,
+                         batch_size=args.batch_size, shard_size=args.shard_size, seed=args.seed, max_prompt_tokens=args.max_prompt_tokens,
                          progress=not args.quiet)
     if not gather.is_primary():
         return 0
     state = "complete" if m["complete"] else "incomplete"
     processes = f", {gather.process_count()} processes" if gather.process_count() > 1 else ""
+    seconds = time.perf_counter() - t0
+    new = m["response_tokens"] - before
     print(f"{args.out}: {m['num_examples']}/{m['num_planned']} examples, {m['response_tokens']} response tokens, "
-          f"{len(m['shards'])}/{m['num_shards_planned']} shards ({state}{processes}, {time.perf_counter() - t0:.0f}s)",
-          file=sys.stderr)
+          f"{len(m['shards'])}/{m['num_shards_planned']} shards ({state}{processes}); this run: {new} response "
+          f"tokens in {seconds:.0f}s, {new / max(seconds, 1e-9):.1f} tokens/s", file=sys.stderr)
     return 0
 
 

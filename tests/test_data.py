@@ -103,7 +103,7 @@ def tiny_target():
     return Target("tiny", "-", TINY, decoder.init_params(TINY, jax.random.key(0), scale=0.3), WordTokenizer())
 
 
-GEN = dict(limit=3, max_new_tokens=6, temperature=0.7, top_k=20, top_p=0.9, batch_size=2, seed=3,
+GEN = dict(limit=3, max_new_tokens=6, temperature=0.7, top_k=20, top_p=0.9, batch_size=2, shard_size=2, seed=3,
            max_prompt_tokens=128, progress=False)
 
 
@@ -118,7 +118,7 @@ def test_datagen_resume_matches_uninterrupted_run(tmp_path, tiny_target):
     full = str(tmp_path / "full")
     m_full = datagen.generate_dataset(tiny_target, sets, "eval", full, **GEN)
     assert m_full["complete"] and m_full["num_examples"] == 6 and len(m_full["shards"]) == 3
-    assert m_full["counts"]["gsm8k"] == dict(planned=3, skipped_too_long=0, done=3)
+    assert m_full["counts"]["gsm8k"] == dict(planned=3, truncated=0, done=3)
 
     part = str(tmp_path / "part")
     m1 = datagen.generate_dataset(tiny_target, sets, "eval", part, max_shards=1, **GEN)  # "interrupted"
@@ -145,6 +145,33 @@ def test_datagen_resume_matches_uninterrupted_run(tmp_path, tiny_target):
     (tmp_path / "foreign" / "notes.txt").write_text("x")
     with pytest.raises(UserError, match="not empty"):
         datagen.generate_dataset(tiny_target, sets, "eval", str(tmp_path / "foreign"), **GEN)
+
+
+def test_datagen_responses_do_not_depend_on_the_batch_size(tmp_path, tiny_target):
+    """Each response has its own key (from its example id), so the rows decoding beside it, the
+    batch size and the refill order change nothing: the shards of any batch size are the same."""
+    sets = ["gsm8k", "mbpp"]
+    runs = [shard_arrays(str(tmp_path / f"b{b}")) for b in (1, 4)
+            if datagen.generate_dataset(tiny_target, sets, "eval", str(tmp_path / f"b{b}"), **dict(GEN, batch_size=b))]
+    assert runs[0] == runs[1]
+    greedy = str(tmp_path / "greedy")
+    datagen.generate_dataset(tiny_target, sets, "eval", greedy, **dict(GEN, temperature=0.0))
+    assert shard_arrays(greedy) != runs[0]  # the sampled responses are sampled
+
+
+def test_long_prompts_keep_their_start_and_end():
+    from dspark_jax.checkpoints.registry import load_target
+
+    tokenizer = load_target("smollm2-135m").tokenizer
+    text = "Task: add the numbers below.\n" + " ".join(str(i) for i in range(600)) + "\nQuestion: what is the sum?"
+    full = tokenizer.chat_prompt_ids(text)
+    ids, cut = datagen.fit_prompt(tokenizer, text, 256)
+    assert cut and 250 <= len(ids) <= 256 < len(full)
+    shown = tokenizer.decode(ids)
+    assert "Task: add the numbers below." in shown and "what is the sum?" in shown and "[...]" in shown
+    assert datagen.fit_prompt(tokenizer, text, len(full)) == (full, False)
+    with pytest.raises(UserError, match="no room"):
+        datagen.fit_prompt(tokenizer, text, 10)
 
 
 def assert_cli_fails(capsys, message, *argv):
@@ -182,6 +209,11 @@ def test_cli_on_tiny_hf_target(capsys, tmp_path, tiny_target_folder):
                      *[a if a != "4" else "5" for a in argv])
     assert_cli_fails(capsys, "exceeds the target's context of 256 tokens",
                      *[a if a != "200" else "1024" for a in argv])
+    # a domain (or "all") leaves out its sets without prompts in the split: aime24 is eval-only
+    math = str(tmp_path / "math")
+    assert datagen_cli.main(["--target", tiny_target_folder, "--sets", "math", "--split", "train", "--limit", "1",
+                             "--max-new-tokens", "2", "--max-prompt-tokens", "200", "--out", math, "--quiet"]) == 0
+    assert datagen.read_manifest(math)["sets"] == ["gsm8k", "math500"]
 
 
 # ---------------------------------------------------------------------------- pipeline

@@ -150,7 +150,7 @@ def test_output_is_written_once_by_process_0_and_resumes(tiny_target_folder, pro
 
 def datagen_args(target, out):
     return ["--target", target, "--sets", "mbpp,humaneval", "--split", "eval", "--limit", "2", "--max-new-tokens",
-            "4", "--max-prompt-tokens", "200", "--batch-size", "2", "--out", out, "--quiet"]
+            "4", "--max-prompt-tokens", "200", "--batch-size", "2", "--shard-size", "2", "--out", out, "--quiet"]
 
 
 def folder_bytes(folder):
