@@ -142,3 +142,26 @@ def test_eagle3_and_dflash_train(tmp_path, drafter):
     assert np.mean([r["loss"] for r in log[-3:]]) < np.mean([r["loss"] for r in log[:3]])
     gamma = drafter["ttt_steps"] if drafter["kind"] == "eagle3" else drafter["block_size"]
     assert all(len(r["acceptance_per_position"]) == gamma and 1.0 <= r["expected_tau"] <= 1.0 + gamma for r in log)
+
+
+def test_a_draft_vocabulary_is_picked_from_the_data_and_trains(tmp_path):
+    """drafter.draft_vocab_size = N: the trainer drafts over the N most frequent response tokens of
+    train_dir (here a folder of two datagen folders), trains, and exports the ids with the drafter."""
+    from dspark_jax.drafters.checkpoint import load_drafter, save_drafter
+
+    cfg = tiny_config(tmp_path, steps=12, lr=1e-2)
+    write_tiny_data(str(tmp_path / "both" / "a"), n=24)
+    write_tiny_data(str(tmp_path / "both" / "b"), n=8, seed=3)
+    cfg = dataclasses.replace(cfg, drafter={**cfg.drafter, "draft_vocab_size": 40},
+                              data=dataclasses.replace(cfg.data, train_dir=str(tmp_path / "both")),
+                              run=dataclasses.replace(cfg.run, save_every=1000))
+    trainer = Trainer(cfg, tiny_target(), progress=False)
+    assert len(trainer.train_source) == 24 + 8
+    assert len(trainer.dcfg.draft_vocab) == 40 and 0.5 < trainer.draft_vocab_coverage < 1.0
+    state = trainer.fit(progress=False)
+    trainer.close()
+    log = [json.loads(l) for l in open(os.path.join(cfg.run.out_dir, "metrics.jsonl"))]
+    assert all(np.isfinite(r["loss"]) for r in log)
+    assert np.mean([r["loss"] for r in log[-3:]]) < np.mean([r["loss"] for r in log[:3]])
+    save_drafter(str(tmp_path / "drafter"), trainer.dcfg, params_of(state))  # as python -m dspark_jax.train does
+    assert load_drafter(str(tmp_path / "drafter")).config.draft_vocab == trainer.dcfg.draft_vocab

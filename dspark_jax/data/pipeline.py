@@ -141,6 +141,23 @@ class ShardSource:
     def __repr__(self) -> str:
         return f"ShardSource({len(self)} examples, {len(self.tokens)} tokens, target={self.target_name!r})"
 
+    def response_token_counts(self, vocab_size: int) -> np.ndarray:
+        """How often each token id occurs in the responses (prompts excluded): [vocab_size] int64."""
+        starts = self.offsets[:-1] + self.prompt_lens
+        in_response = np.zeros(len(self.tokens) + 1, np.int64)
+        np.add.at(in_response, starts, 1)
+        np.add.at(in_response, self.offsets[1:], -1)
+        mask = np.cumsum(in_response[:-1]) > 0
+        return np.bincount(self.tokens[mask], minlength=vocab_size)[:vocab_size]
+
+
+def draft_vocabulary(source: ShardSource, size: int, vocab_size: int) -> tuple[tuple[int, ...], float]:
+    """The `size` most frequent response tokens of the data (ties: the lower id), sorted, and the
+    share of response tokens they cover: a drafter's draft vocabulary."""
+    counts = source.response_token_counts(vocab_size)
+    order = np.lexsort((np.arange(vocab_size), -counts))[:size]
+    return tuple(int(i) for i in np.sort(order)), float(counts[order].sum() / max(counts.sum(), 1))
+
 
 class _Subset:
     """The examples of `source` at `indices` (keeps grain's source protocol; elements keep their

@@ -68,6 +68,19 @@ class LoadedDrafter:
     metadata: dict
     storage_dtype: str = "float32"
 
+    def decoding_params(self, target) -> dict:
+        """The params to decode with beside `target` (a registry Target): in the target's weight
+        dtype, plus the frozen LM-head rows of a draft vocabulary (`dspark.with_draft_head`)."""
+        import jax
+        import jax.numpy as jnp
+
+        params = jax.tree.map(lambda a: jnp.asarray(a, target.weight_dtype), self.params)
+        if self.config.kind != "dspark":
+            return params
+        from dspark_jax.drafters.dspark import with_draft_head
+
+        return with_draft_head(params, self.config, target.params, target.config)
+
 
 def _read_meta(path: str) -> tuple[dict, DrafterConfig]:
     files.local_only(path, "drafter")

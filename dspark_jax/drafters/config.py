@@ -39,6 +39,12 @@ class DrafterConfig:
     markov_rank: int = setting(0, ge=0)  # r; 0 with head="none" is DFlash
     confidence: bool = True
     confidence_with_markov: bool = True  # confidence input [h; W1[prev]] (else h alone)
+    # Draft vocabulary: the drafter scores only these target token ids (sorted), so its LM head
+    # costs draft_vocab_size / vocab_size of the target's; every other token has draft probability
+    # exactly zero, which keeps rejection sampling lossless. draft_vocab_size = 0: the whole
+    # vocabulary. Training fills `draft_vocab` with the most frequent response tokens of its data.
+    draft_vocab_size: int = setting(0, ge=0)
+    draft_vocab: tuple[int, ...] = setting((), ge=0)
     # Eagle3
     ttt_steps: int = setting(7, ge=1)  # training-time-test unroll length
     ttt_decay: float = setting(0.8, gt=0)  # step loss weights decay**i
@@ -63,6 +69,17 @@ class DrafterConfig:
         relation("mask_token_id vocab_size",
                  lambda mask_token_id, vocab_size: mask_token_id is None or mask_token_id < vocab_size,
                  "mask_token_id={mask_token_id} is not a token id of the vocabulary ({vocab_size} tokens)"),
+        relation("draft_vocab_size vocab_size", lambda draft_vocab_size, vocab_size: draft_vocab_size < vocab_size,
+                 "draft_vocab_size={draft_vocab_size} must be below the vocabulary's {vocab_size} tokens "
+                 "(0 drafts over all of them)"),
+        relation("draft_vocab draft_vocab_size vocab_size",
+                 lambda draft_vocab, draft_vocab_size, vocab_size: not draft_vocab or (
+                     len(draft_vocab) == draft_vocab_size and list(draft_vocab) == sorted(set(draft_vocab))
+                     and draft_vocab[-1] < vocab_size),
+                 "draft_vocab must hold draft_vocab_size={draft_vocab_size} distinct token ids below "
+                 "{vocab_size}, sorted"),
+        relation("draft_vocab_size kind", lambda draft_vocab_size, kind: not draft_vocab_size or kind == "dspark",
+                 "a draft vocabulary is for DSpark/DFlash drafters (kind {kind!r})"),
         relation("target_layer_ids target_num_layers",
                  lambda target_layer_ids, target_num_layers: not target_num_layers
                  or all(i < target_num_layers for i in target_layer_ids),
@@ -71,6 +88,12 @@ class DrafterConfig:
 
     def __post_init__(self):
         validate(self)
+        # A config is a static argument of every jitted drafter function: hash its (up to ~10^4
+        # draft vocabulary ids) once, not at every call.
+        object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def tap_layers(self) -> tuple[int, ...]:

@@ -353,6 +353,10 @@ _INEXPRESSIBLE = {
                          "(d2t), which this export does not write yet",
     "vocab_size": "a draft vocabulary smaller than the target's needs a draft-to-target token map "
                   "(d2t), which this export does not write yet",
+    "draft_vocab_size": "a draft vocabulary needs a draft-to-target token map (d2t), which this export "
+                        "does not write yet",
+    "draft_vocab": "a draft vocabulary needs a draft-to-target token map (d2t), which this export "
+                   "does not write yet",
 }
 
 

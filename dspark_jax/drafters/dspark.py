@@ -207,6 +207,47 @@ def _project_context(lp: dict, lcfg: ModelConfig, h_ctx: jax.Array, positions: j
 
 
 # --------------------------------------------------------------------------------------------------
+# The LM head over the draft vocabulary
+
+
+def draft_head(target_params: dict, target_cfg: ModelConfig, dcfg: DrafterConfig) -> jax.Array:
+    """The target's LM-head rows of the draft vocabulary, [N, d]: a frozen copy, made once per
+    loaded drafter for decoding (`with_draft_head`) or gathered inside a training step."""
+    ids = jnp.asarray(dcfg.draft_vocab, jnp.int32)
+    if target_cfg.tie_word_embeddings:
+        return decoder.take_rows(target_params["embed"], ids)
+    return jnp.take(jnp.asarray(target_params["lm_head"]), ids, axis=1).T
+
+
+def with_draft_head(dparams: dict, dcfg: DrafterConfig, target_params: dict, target_cfg: ModelConfig) -> dict:
+    """dparams plus "draft_head" when the drafter has a draft vocabulary: decoding then streams N
+    rows of the LM head per pass instead of gathering them (which would cost more than it saves)."""
+    if not dcfg.draft_vocab_size:
+        return dparams
+    _check_draft_vocab(dcfg)
+    return {**dparams, "draft_head": jax.jit(draft_head, static_argnums=(1, 2))(target_params, target_cfg, dcfg)}
+
+
+def _check_draft_vocab(dcfg: DrafterConfig) -> None:
+    if dcfg.draft_vocab_size and len(dcfg.draft_vocab) != dcfg.draft_vocab_size:
+        raise UserError(f"drafter has draft_vocab_size={dcfg.draft_vocab_size} but no draft_vocab ids "
+                        "(training picks them from its data)")
+
+
+def base_logits(dparams: dict, dcfg: DrafterConfig, target_params: dict, target_cfg: ModelConfig,
+                hidden: jax.Array) -> jax.Array:
+    """The drafter's base logits U [..., V] in fp32: the target's LM head, over the draft
+    vocabulary only when it has one (-inf elsewhere: those tokens are never drafted)."""
+    if not dcfg.draft_vocab_size:
+        return decoder.logits(target_params, target_cfg, hidden)
+    _check_draft_vocab(dcfg)
+    head = dparams["draft_head"] if "draft_head" in dparams else draft_head(target_params, target_cfg, dcfg)
+    scores = decoder.weight_einsum("...d,vd->...v", hidden, head, jnp.float32)
+    full = jnp.full(hidden.shape[:-1] + (target_cfg.vocab_size,), -jnp.inf, jnp.float32)
+    return full.at[..., jnp.asarray(dcfg.draft_vocab, jnp.int32)].set(scores)
+
+
+# --------------------------------------------------------------------------------------------------
 # Sequential head and confidence head
 
 
@@ -319,10 +360,10 @@ def train_forward(dparams: dict, dcfg: DrafterConfig, target_params: dict, targe
     hidden = _backbone(dparams, dcfg, target_params, block_tokens, block_positions,
                        lambda lp, layer: _project_context(lp, lcfg, h_ctx, positions), ctx_visible)
 
-    base_logits = decoder.logits(target_params, target_cfg, hidden)
+    base = base_logits(dparams, dcfg, target_params, target_cfg, hidden)
     out = {
-        "draft_logits": base_logits + _teacher_forced_bias(dparams, dcfg, hidden, prev),
-        "base_logits": base_logits,
+        "draft_logits": base + _teacher_forced_bias(dparams, dcfg, hidden, prev),
+        "base_logits": base,
         # Only at block slots: the target's full-sequence logits are never materialised.
         "target_logits": decoder.logits(target_params, target_cfg, take(target_last_hidden, prev_slot)),
         "hidden": hidden,
@@ -404,7 +445,7 @@ def propose(dparams: dict, dcfg: DrafterConfig, target_params: dict, target_cfg:
     ctx_visible = (jnp.arange(cache.max_len) < cache.lengths[:, None])[:, None, :]  # keys < p
     hidden = _backbone(dparams, dcfg, target_params, block_tokens, block_positions,
                        lambda lp, layer: (cache.k[layer], cache.v[layer]), ctx_visible)[:, 0]
-    base_logits = decoder.logits(target_params, target_cfg, hidden)  # [B, g, V]
+    base = base_logits(dparams, dcfg, target_params, target_cfg, hidden)  # [B, g, V]
 
     def step(carry, xs):
         state, prev = carry
@@ -417,7 +458,7 @@ def propose(dparams: dict, dcfg: DrafterConfig, target_params: dict, target_cfg:
         return (state, next_prev), (token, processed_log_probs(logits, sampling), logits, conf)
 
     forced = None if teacher_tokens is None else jnp.moveaxis(teacher_tokens.astype(jnp.int32), -1, 0)
-    xs = (jnp.moveaxis(base_logits, 1, 0), jnp.moveaxis(hidden, 1, 0), jax.random.split(key, g), forced)
+    xs = (jnp.moveaxis(base, 1, 0), jnp.moveaxis(hidden, 1, 0), jax.random.split(key, g), forced)
     carry = (_initial_state(dparams, dcfg, (B,)), anchors)
     _, (tokens, log_probs, logits, conf) = jax.lax.scan(step, carry, xs)
     slots_second = lambda a: None if a is None else jnp.moveaxis(a, 0, 1)  # noqa: E731

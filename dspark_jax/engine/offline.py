@@ -50,16 +50,13 @@ class Speculative:
     slots, which the verify buckets and the SPS table are sized for), json, sps_table, profile_sps."""
 
     def __init__(self, args, target):
-        import jax
-        import jax.numpy as jnp
-
         from dspark_jax.drafters.checkpoint import load_drafter
 
         self.args, self.target = args, target
         self.loaded = load_drafter(args.drafter, target.config, target.name)
         self.dcfg = self.loaded.config
         args.scheduler, self.gamma = drafter_settings(args, self.dcfg)
-        self.dparams = jax.tree.map(lambda a: jnp.asarray(a, target.weight_dtype), self.loaded.params)
+        self.dparams = self.loaded.decoding_params(target)
         self.policy = args.scheduler.replace("-", "_")
         self.plain_steps = getattr(args, "plain_steps", False) is True  # resolved by `resolve`
         # Every policy but "fixed" verifies fewer tokens than R x (gamma + 1): flatten them into buckets.

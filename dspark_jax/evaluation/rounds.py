@@ -41,9 +41,6 @@ def collect_rounds(target, loaded, prompts: list[str], *, max_new_tokens: int, t
     Every process of a multi-process run calls this with the same arguments: each decodes its share
     of the batches (batch b: process b % processes) and all return the rounds of every batch. A
     UserError on one process is raised on all."""
-    import jax
-    import jax.numpy as jnp
-
     from dspark_jax.engine.speculative import SpecConfig, speculative_generate
     from dspark_jax.engine.sampling import SamplingConfig
 
@@ -52,7 +49,7 @@ def collect_rounds(target, loaded, prompts: list[str], *, max_new_tokens: int, t
     starts = list(range(0, len(prompts), batch_size))  # batch b begins at prompt b * batch_size
 
     def decode_mine() -> dict[int, Rounds]:
-        dparams = jax.tree.map(lambda a: jnp.asarray(a, target.weight_dtype), loaded.params)
+        dparams = loaded.decoding_params(target)
         cfg = SpecConfig(gamma=gamma, sampling=SamplingConfig(temperature), policy="fixed",
                          stop_ids=tuple(tok.eos_token_ids))
         mine = {}

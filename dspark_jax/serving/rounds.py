@@ -186,9 +186,6 @@ def record_rounds(*, drafter: str, target: str, prompts: int, max_new_tokens: in
     a records dict (JSON-ready), each request's rounds in decoding order. A row's last round (where
     its token budget can cut the accepted length) is left out, as bench_serving leaves finishing
     rounds out of its steady state; no other round is."""
-    import jax
-    import jax.numpy as jnp
-
     from dspark_jax.checkpoints.registry import default_drafter_path, load_target
     from dspark_jax.drafters.checkpoint import load_drafter
     from dspark_jax.engine.speculative import SpecConfig, speculative_generate
@@ -207,7 +204,7 @@ def record_rounds(*, drafter: str, target: str, prompts: int, max_new_tokens: in
     ids = serving_prompts(tgt.tokenizer, prompts, max_prompt_tokens)
     cfg = SpecConfig(gamma=gamma, sampling=SamplingConfig(temperature), policy="fixed",
                      stop_ids=())  # stop tokens ignored, as bench_serving does
-    dparams = jax.tree.map(lambda a: jnp.asarray(a, tgt.weight_dtype), loaded.params)
+    dparams = loaded.decoding_params(tgt)
     temps = None if loaded.sts_temperatures is None else [float(t) for t in loaded.sts_temperatures[:gamma]]
     logits, accepted, request = [], [], []
     for start in range(0, len(ids), batch_size):

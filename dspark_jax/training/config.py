@@ -40,7 +40,7 @@ def _storage(key: str) -> config_checks.Relation:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    train_dir: str = "data/smollm2-train"
+    train_dir: str = "data/smollm2-train"  # a datagen folder, or a folder of them (all are used)
     eval_dir: str = ""
     rows: int = setting(4, ge=1)  # B: packed rows per micro-batch
     seq_len: int = setting(1024, ge=4)  # S: tokens per packed row

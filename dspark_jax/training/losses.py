@@ -59,7 +59,9 @@ def dspark_loss(outputs: dict, weights: LossWeights) -> tuple[jax.Array, dict]:
     q_log = jax.nn.log_softmax(outputs["draft_logits"].astype(jnp.float32), axis=-1)
     p_log = jax.lax.stop_gradient(jax.nn.log_softmax(outputs["target_logits"].astype(jnp.float32), axis=-1))
     labels = outputs["labels"]
-    nll = -jnp.take_along_axis(q_log, labels[..., None], axis=-1)[..., 0]
+    label_log = jnp.take_along_axis(q_log, labels[..., None], axis=-1)[..., 0]
+    # A label outside a draft vocabulary has q = 0 (log -inf): no CE for it, TV still counts it.
+    nll = jnp.where(jnp.isfinite(label_log), -label_log, 0.0)
     tv = jnp.sum(jnp.abs(jnp.exp(q_log) - jnp.exp(p_log)), axis=-1)
     alpha = 1.0 - 0.5 * tv
     ce_loss = jnp.sum(w * nll) / denom

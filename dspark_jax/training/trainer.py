@@ -193,12 +193,22 @@ def drafter_logical_axes(params: dict) -> dict:
 
 
 def load_data(folder: str):
-    """The ShardSource of a datagen folder (a UserError if there is none)."""
+    """The ShardSource of a datagen folder, or of every datagen folder inside `folder` (one level,
+    in name order: e.g. greedy and sampled responses of the same prompts); a UserError if there is
+    none."""
+    from dspark_jax.data.datagen import MANIFEST
     from dspark_jax.data.pipeline import ShardSource
 
     if not files.is_dir(folder):
         raise UserError(f"no data at {folder}: generate it with python -m dspark_jax.datagen")
-    return ShardSource(folder)
+    if files.exists(os.path.join(folder, MANIFEST)):
+        return ShardSource(folder)
+    inner = [os.path.join(folder, name) for name in sorted(files.listdir(folder))
+             if files.exists(os.path.join(folder, name, MANIFEST))]
+    if not inner:
+        raise UserError(f"{folder} holds no datagen output (no {MANIFEST} in it or in its folders): "
+                        "generate it with python -m dspark_jax.datagen")
+    return ShardSource(inner)
 
 
 def _packed_batches(cfg: TrainConfig, dcfg: DrafterConfig, data, rows: int, epochs: int | None):
@@ -439,6 +449,17 @@ class Trainer:
         self.cfg, self.target = cfg, target
         self.dcfg = cfg.drafter_config(target.config, target.name)
         self.dcfg.check_target(target.config, target.name)
+        self.train_source = load_data(cfg.data.train_dir)
+        self.draft_vocab_coverage = None
+        if self.dcfg.draft_vocab_size and not self.dcfg.draft_vocab:  # picked from the data: the same on resume
+            from dspark_jax.data.pipeline import draft_vocabulary
+
+            ids, self.draft_vocab_coverage = draft_vocabulary(self.train_source, self.dcfg.draft_vocab_size,
+                                                              self.dcfg.vocab_size)
+            self.dcfg = self.dcfg.replace(draft_vocab=ids)
+            if progress and jax.process_index() == 0:
+                print(f"draft vocabulary: the {len(ids)} most frequent response tokens cover "
+                      f"{100 * self.draft_vocab_coverage:.2f}% of the training responses", flush=True)
         self.mesh = sharding.make_mesh(*cfg.run.mesh)
         self.optimizer = make_optimizer(cfg)
         init_params, _ = drafter_functions(self.dcfg)
@@ -459,7 +480,6 @@ class Trainer:
         step = make_train_step(cfg, self.dcfg, target.config, self.optimizer)
         self.train_step = jax.jit(step, in_shardings=(self.state_shardings, self.target_shardings, self.batch_sharding),
                                   out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
-        self.train_source = load_data(cfg.data.train_dir)
         self.data = data_factory(cfg, self.dcfg, self.train_source)
         self.eval_step = jax.jit(make_loss(cfg, self.dcfg, target.config), out_shardings=replicated)
         self.eval_sharding = NamedSharding(self.mesh, sharding.logical_spec(self.mesh, ("batch",), (cfg.data.rows,)))
