@@ -165,3 +165,18 @@ def test_a_draft_vocabulary_is_picked_from_the_data_and_trains(tmp_path):
     assert np.mean([r["loss"] for r in log[-3:]]) < np.mean([r["loss"] for r in log[:3]])
     save_drafter(str(tmp_path / "drafter"), trainer.dcfg, params_of(state))  # as python -m dspark_jax.train does
     assert load_drafter(str(tmp_path / "drafter")).config.draft_vocab == trainer.dcfg.draft_vocab
+
+
+def test_init_from_target_copies_the_last_target_layers(tmp_path):
+    cfg = tiny_config(tmp_path, init_from_target=True)
+    target = tiny_target()
+    trainer = Trainer(cfg, target, progress=False)
+    params = params_of(trainer.init_state())
+    stacked = decoder.with_layout(target.params, TARGET_CFG, "stacked")["layers"]
+    copied = [name for name in params["layers"] if name in stacked]
+    assert len(copied) >= 6, copied
+    for name in copied:
+        np.testing.assert_array_equal(params["layers"][name], np.asarray(stacked[name][-1:]))
+    random = params_of(Trainer(tiny_config(tmp_path / "r"), target, progress=False).init_state())
+    assert sum(not np.array_equal(random["layers"][n], params["layers"][n]) for n in copied) >= 4
+    trainer.close()

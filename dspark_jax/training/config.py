@@ -74,6 +74,9 @@ class OptimConfig:
     b2: float = setting(0.95, ge=0, lt=1)
     grad_accum: int = setting(1, ge=1)
     steps: int = setting(1000, ge=1)
+    # Start the draft layers from the target's last layers (every weight of the same shape; the
+    # draft layers' q/k norms, which a Llama target has not, stay at one) instead of at random.
+    init_from_target: bool = False
 
     def __post_init__(self):
         validate(self)

@@ -192,6 +192,19 @@ def drafter_logical_axes(params: dict) -> dict:
     return jax.tree_util.tree_map_with_path(axes, params)
 
 
+def layers_from_target(dparams: dict, dcfg: DrafterConfig, target_params: dict, target_cfg: ModelConfig) -> dict:
+    """dparams with its draft layers' weights copied from the target's last dcfg.num_layers layers,
+    wherever a weight has the same name and shape (DSpark's draft layers are shaped like the
+    target's; the rest keeps its random init)."""
+    if dcfg.kind != "dspark" or dcfg.num_layers > target_cfg.num_layers:
+        raise UserError("optim.init_from_target needs a DSpark/DFlash drafter with at most the target's layers")
+    stacked = decoder.with_layout(target_params, target_cfg, "stacked")["layers"]
+    last = slice(target_cfg.num_layers - dcfg.num_layers, target_cfg.num_layers)
+    layers = {name: stacked[name][last].astype(w.dtype) if name in stacked and stacked[name].shape[1:] == w.shape[1:]
+              else w for name, w in dparams["layers"].items()}
+    return {**dparams, "layers": layers}
+
+
 def load_data(folder: str):
     """The ShardSource of a datagen folder, or of every datagen folder inside `folder` (one level,
     in name order: e.g. greedy and sampled responses of the same prompts); a UserError if there is
@@ -500,11 +513,13 @@ class Trainer:
         return self._manager
 
     def init_state(self, seed: int = 0) -> TrainState:
-        def init(key):
+        def init(key, target_params):
             params = self._init_params(key)
+            if self.cfg.optim.init_from_target:
+                params = layers_from_target(params, self.dcfg, target_params, self.target.config)
             return TrainState(jnp.int32(0), params, self.optimizer.init(params))
 
-        return jax.jit(init, out_shardings=self.state_shardings)(jax.random.key(seed))
+        return jax.jit(init, out_shardings=self.state_shardings)(jax.random.key(seed), self.target_params)
 
     def save(self, state: TrainState) -> None:
         """Checkpoint `state` and the data position; every process calls it (orbax writes each
