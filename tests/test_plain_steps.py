@@ -7,6 +7,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from test_cli import tiny_drafter  # noqa: F401  (a fixture)
 from test_speculative import (
     PROMPTS,
     SAMPLING_PROMPTS,
@@ -178,7 +179,7 @@ def test_gate_probe_interval_is_capped_and_resets_when_a_probe_wins():
     gate = PlainStepGate(round_s=1.0, plain_s=0.5, tau=1.0)
     feed(gate, 2000, round_s=1.0, plain_s=0.5, tau=1.0)
     assert gate.probe_every == PROBE_EVERY_MAX
-    feed(gate, 300, round_s=1.0, plain_s=0.5, tau=4.0)  # the text got easy: rounds pay again
+    feed(gate, 3 * PROBE_EVERY_MAX, round_s=1.0, plain_s=0.5, tau=4.0)  # the text got easy: rounds pay again
     assert gate.probe_every == PROBE_EVERY and not gate.plain_now()
 
 
@@ -212,3 +213,30 @@ def test_the_engine_builds_its_own_gate(buckets):
     got = speculative_generate(TARGET, TCFG, dparams, dcfg, PROMPTS, max_new_tokens=12, cfg=cfg)
     assert got.token_ids == generate(TARGET, TCFG, PROMPTS, max_new_tokens=12).token_ids
     assert got.plain_steps >= 1  # the gate measures a plain step early on
+
+
+def test_the_decode_engine_keeps_its_gate_across_batches(tiny_target_folder, tiny_drafter):
+    """`decode`'s engine keeps one gate per (rows, greedy): the second batch starts from what the
+    first learned (no measuring round again), and every batch's output is still the target's."""
+    import argparse
+
+    from dspark_jax.checkpoints.registry import load_target
+    from dspark_jax.engine.offline import load_speculative
+
+    target = load_target(tiny_target_folder)
+    args = argparse.Namespace(drafter=tiny_drafter, scheduler="fixed", gamma=None, threshold=0.5, batch_size=2,
+                              max_new_tokens=10, json=True, sps_table=None, profile_sps=False, plain_steps=True)
+    engine = load_speculative(args, target)
+    prompts = [[5, 6, 7], [9, 3]]
+    greedy = SamplingConfig()
+    first = engine(prompts, greedy, seed=0)
+    gate = engine.gates[(2, True)]
+    learned = (gate.tau, gate.rounds + gate.plain_steps)
+    assert learned[0] is not None and learned[1] > 0
+    second = engine([[4, 4, 8], [2, 11]], greedy, seed=0)
+    assert engine.gates[(2, True)] is gate and gate.rounds + gate.plain_steps > learned[1]
+    assert first.token_ids == generate(target.params, target.config, prompts, max_new_tokens=10).token_ids
+    assert second.token_ids == generate(target.params, target.config, [[4, 4, 8], [2, 11]],
+                                        max_new_tokens=10).token_ids
+    engine(prompts, SamplingConfig(1.0), seed=0)  # sampled batches have their own gate
+    assert set(engine.gates) == {(2, True), (2, False)}

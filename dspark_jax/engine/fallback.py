@@ -5,7 +5,7 @@ step costs one target pass and commits exactly one. `PlainStepGate` keeps runnin
 tau (from the rounds run so far), of a round's seconds and of a plain step's seconds (measured on
 this machine; the SPS table's profiled costs are the priors), and before each step picks the one
 with the higher expected tokens per second. While plain steps win, a round is run now and then
-(every `probe_every` plain steps, the interval doubling while probes keep losing) so that a
+(every `probe_every` plain steps, the interval doubling up to 256 while probes keep losing) so that a
 drafter that starts paying again — easier text later in the response — is noticed.
 
 Lossless by construction: the choice for step t is made from steps before t only (never from
@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 
 PROBE_EVERY = 8  # plain steps before the first re-probe
-PROBE_EVERY_MAX = 64  # the re-probe interval doubles up to this while probes lose
+PROBE_EVERY_MAX = 256  # the re-probe interval doubles up to this while probes lose
 SMOOTHING = 0.3  # weight of the newest observation in the running estimates
 
 

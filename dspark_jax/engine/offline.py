@@ -59,6 +59,7 @@ class Speculative:
         self.dparams = self.loaded.decoding_params(target)
         self.policy = args.scheduler.replace("-", "_")
         self.plain_steps = getattr(args, "plain_steps", False) is True  # resolved by `resolve`
+        self.gates = {}  # (rows, greedy) -> PlainStepGate, kept across batches (see `gate`)
         # Every policy but "fixed" verifies fewer tokens than R x (gamma + 1): flatten them into buckets.
         self.buckets = None
         if self.policy != "fixed":
@@ -80,12 +81,27 @@ class Speculative:
                           stop_ids=tuple(self.target.tokenizer.eos_token_ids), sps=sps, verify_buckets=self.buckets,
                           plain_steps=self.plain_steps)
 
+    def gate(self, rows: int, cfg):
+        """The plain-step gate for batches of `rows` rows at this sampling mode (None without plain
+        steps), one per (rows, greedy) kept across calls: what it learned of this drafter's tau and
+        of this machine's round and plain-step costs carries over to the next batch, which then
+        pays no measuring round and no early re-probes again when drafts do not pay."""
+        if not cfg.plain_steps:
+            return None
+        from dspark_jax.engine.fallback import PlainStepGate
+
+        key = (rows, cfg.sampling.greedy)
+        if key not in self.gates:
+            self.gates[key] = PlainStepGate.from_table(cfg.sps, rows, self.gamma)
+        return self.gates[key]
+
     def __call__(self, batch, sampling, seed, progress: bool | None = None):
         from dspark_jax.engine.speculative import speculative_generate
 
         t = self.target
+        cfg = self.config(batch, sampling)
         return speculative_generate(t.params, t.config, self.dparams, self.dcfg, batch,
-                                    max_new_tokens=self.args.max_new_tokens, cfg=self.config(batch, sampling),
+                                    max_new_tokens=self.args.max_new_tokens, cfg=cfg, gate=self.gate(len(batch), cfg),
                                     temperatures=self.loaded.sts_temperatures, seed=seed,
                                     progress=(not self.args.json and gather.is_primary()) if progress is None
                                     else progress)
@@ -94,8 +110,9 @@ class Speculative:
         from dspark_jax.engine.speculative import speculative_serve
 
         t = self.target
+        cfg = self.config(prompts, sampling)
         return speculative_serve(t.params, t.config, self.dparams, self.dcfg, prompts, slots=slots,
-                                 max_new_tokens=self.args.max_new_tokens, cfg=self.config(prompts, sampling),
+                                 max_new_tokens=self.args.max_new_tokens, cfg=cfg, gate=self.gate(slots, cfg),
                                  temperatures=self.loaded.sts_temperatures, seed=seed, on_finish=on_finish,
                                  on_progress=on_progress, keep_rounds=False)
 
