@@ -52,6 +52,31 @@ def describe(folder: str) -> dict:
             "response_tokens": m["response_tokens"], "per_set": per_set}
 
 
+def describe_split(folder: str) -> str:
+    from dspark_jax.data.datagen import read_manifest
+
+    return read_manifest(folder)["split"]
+
+
+def draft_vocab_coverage(train: list[str], held_out: list[str],
+                         sizes=(1024, 2048, 4096, 8192, 16384, 32768)) -> dict[str, dict[int, float]]:
+    """{"train": {N: share}, "eval": {N: share}}: the share of the train (and held-out) response
+    tokens that the N most frequent train response tokens cover (`data.pipeline.draft_vocabulary`)."""
+    if not train:
+        return {}
+    from dspark_jax.data.datagen import read_manifest
+    from dspark_jax.data.pipeline import ShardSource, draft_vocabulary
+
+    source = ShardSource(train)
+    vocab = read_manifest(train[0])["target_shape"]["vocab_size"]
+    picked = {n: draft_vocabulary(source, n, vocab) for n in sizes if n < vocab}
+    out = {"train": {n: share for n, (_, share) in picked.items()}}
+    if held_out:
+        counts = ShardSource(held_out).response_token_counts(vocab)
+        out["eval"] = {n: float(counts[list(ids)].sum() / max(counts.sum(), 1)) for n, (ids, _) in picked.items()}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("folders", nargs="+")
@@ -83,7 +108,17 @@ def main() -> None:
         md.append(f"| all | {sum(t['responses'] for t in sets.values()):,} | "
                   f"{sum(t['response_tokens'] for t in sets.values()):,} | "
                   f"{sum(t['prompt_tokens'] for t in sets.values()):,} |")
-    paths = write_results(args.name, {"runs": runs}, "\n".join(md) + "\n", **({"directory": args.out} if args.out else {}))
+    folders = [f for folder in args.folders for f in datagen_folders(folder)]
+    coverage = draft_vocab_coverage([f for f in folders if describe_split(f) == "train"],
+                                    [f for f in folders if describe_split(f) == "eval"])
+    if coverage:
+        sizes = list(coverage["train"])
+        md += ["", "Draft vocabulary: share of response tokens that the N most frequent train response tokens "
+               "cover (`drafter.draft_vocab_size`):", "", "| N | " + " | ".join(f"{n:,}" for n in sizes) + " |",
+               "|---|" + "---:|" * len(sizes)]
+        md += [f"| {split} responses | " + " | ".join(f"{100 * c:.3f}%" for c in shares.values()) + " |"
+               for split, shares in coverage.items()]
+    paths = write_results(args.name, {"runs": runs, "draft_vocab_coverage": coverage}, "\n".join(md) + "\n", **({"directory": args.out} if args.out else {}))
     print("\n".join(md))
     print("wrote", *paths)
 
