@@ -80,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     if gather.is_primary():
         out = os.path.join(cfg.run.out_dir, "drafter")
         save_drafter(out, trainer.dcfg, params,
-                     metadata={"train_config": config_to_dict(cfg), "steps": int(state.step)})
+                     metadata={"train_config": config_to_dict(cfg), "steps": int(state.step),
+                               **({"draft_vocab_coverage": {"train": trainer.draft_vocab_coverage,
+                                                            "eval": trainer.draft_vocab_eval_coverage}}
+                                  if trainer.draft_vocab_coverage is not None else {})})
         print(f"drafter written to {out}")
     gather.barrier("dspark-drafter-written")  # the run is over on every process once its drafter exists
     return 0

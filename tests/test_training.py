@@ -152,12 +152,19 @@ def test_a_draft_vocabulary_is_picked_from_the_data_and_trains(tmp_path):
     cfg = tiny_config(tmp_path, steps=12, lr=1e-2)
     write_tiny_data(str(tmp_path / "both" / "a"), n=24)
     write_tiny_data(str(tmp_path / "both" / "b"), n=8, seed=3)
+    write_tiny_data(str(tmp_path / "held-out"), n=8, seed=4)
     cfg = dataclasses.replace(cfg, drafter={**cfg.drafter, "draft_vocab_size": 40},
-                              data=dataclasses.replace(cfg.data, train_dir=str(tmp_path / "both")),
+                              data=dataclasses.replace(cfg.data, train_dir=str(tmp_path / "both"),
+                                                       eval_dir=str(tmp_path / "held-out")),
                               run=dataclasses.replace(cfg.run, save_every=1000))
     trainer = Trainer(cfg, tiny_target(), progress=False)
     assert len(trainer.train_source) == 24 + 8
     assert len(trainer.dcfg.draft_vocab) == 40 and 0.5 < trainer.draft_vocab_coverage < 1.0
+    from dspark_jax.data.pipeline import ShardSource
+
+    counts = ShardSource(str(tmp_path / "held-out")).response_token_counts(64)
+    assert trainer.draft_vocab_eval_coverage == pytest.approx(counts[list(trainer.dcfg.draft_vocab)].sum() / counts.sum())
+    assert 0.3 < trainer.draft_vocab_eval_coverage < 1.0
     state = trainer.fit(progress=False)
     trainer.close()
     log = [json.loads(l) for l in open(os.path.join(cfg.run.out_dir, "metrics.jsonl"))]

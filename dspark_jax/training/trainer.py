@@ -463,16 +463,22 @@ class Trainer:
         self.dcfg = cfg.drafter_config(target.config, target.name)
         self.dcfg.check_target(target.config, target.name)
         self.train_source = load_data(cfg.data.train_dir)
-        self.draft_vocab_coverage = None
+        self.draft_vocab_coverage = self.draft_vocab_eval_coverage = None
         if self.dcfg.draft_vocab_size and not self.dcfg.draft_vocab:  # picked from the data: the same on resume
             from dspark_jax.data.pipeline import draft_vocabulary
 
             ids, self.draft_vocab_coverage = draft_vocabulary(self.train_source, self.dcfg.draft_vocab_size,
                                                               self.dcfg.vocab_size)
             self.dcfg = self.dcfg.replace(draft_vocab=ids)
+            held_out = ""
+            if cfg.data.eval_dir:  # what counts: a token outside it can never be drafted
+                counts = load_data(cfg.data.eval_dir).response_token_counts(self.dcfg.vocab_size)
+                self.draft_vocab_eval_coverage = float(counts[list(ids)].sum() / max(counts.sum(), 1))
+                held_out = f" and {100 * self.draft_vocab_eval_coverage:.2f}% of the held-out ones"
             if progress and jax.process_index() == 0:
                 print(f"draft vocabulary: the {len(ids)} most frequent response tokens cover "
-                      f"{100 * self.draft_vocab_coverage:.2f}% of the training responses", flush=True)
+                      f"{100 * self.draft_vocab_coverage:.2f}% of the training responses' tokens{held_out}",
+                      flush=True)
         self.mesh = sharding.make_mesh(*cfg.run.mesh)
         self.optimizer = make_optimizer(cfg)
         init_params, _ = drafter_functions(self.dcfg)
