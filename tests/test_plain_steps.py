@@ -240,3 +240,15 @@ def test_the_decode_engine_keeps_its_gate_across_batches(tiny_target_folder, tin
                                         max_new_tokens=10).token_ids
     engine(prompts, SamplingConfig(1.0), seed=0)  # sampled batches have their own gate
     assert set(engine.gates) == {(2, True), (2, False)}
+
+
+def test_an_untimed_gate_decides_from_its_priors_and_tau_alone():
+    """timed=False (the tensor layout's processes): the same choices whatever each process's clock
+    says, from the table's costs and the (shared) tau; without a plain-step prior, rounds only."""
+    runs = {feed(PlainStepGate(round_s=1.0, plain_s=0.5, timed=False), 300, round_s=r, plain_s=p, tau=1.2)
+            for r, p in [(1.0, 0.5), (0.1, 5.0), (9.0, 0.01)]}
+    assert len(runs) == 1 and "p" in next(iter(runs)) and "R" in next(iter(runs))
+    assert feed(PlainStepGate(round_s=1.0, timed=False), 50, round_s=1.0, plain_s=0.1, tau=1.0) == "R" * 50
+    timed = {feed(PlainStepGate(round_s=1.0, plain_s=0.5), 300, round_s=r, plain_s=p, tau=1.2)
+             for r, p in [(1.0, 0.5), (0.1, 5.0)]}
+    assert len(timed) == 2  # (the timed gate does follow its clock)

@@ -29,7 +29,10 @@ class PlainStepGate:
     """Host-side state of the round / plain-step choice for one batch of request slots.
 
     round_s / plain_s: seconds of a round / a plain step (priors; None = unknown, measured by
-    running one); tau: tokens a request commits per round (bonus included)."""
+    running one); tau: tokens a request commits per round (bonus included). timed=False keeps the
+    priors and learns tau alone: then every process of a multi-process run that decodes the same
+    batch (the tensor layout) makes the same choices, which its collectives need, since each
+    process's own clock would not."""
 
     round_s: float | None = None
     plain_s: float | None = None
@@ -38,16 +41,17 @@ class PlainStepGate:
     plain_run: int = 0  # plain steps since the last round
     rounds: int = 0
     plain_steps: int = 0
+    timed: bool = True
 
     @classmethod
-    def from_table(cls, table, rows: int, gamma: int) -> "PlainStepGate":
+    def from_table(cls, table, rows: int, gamma: int, timed: bool = True) -> "PlainStepGate":
         """Priors from an SPS table: a round at the full verify bucket, and the table's plain-step
         cost when it was profiled with one."""
         from dspark_jax.engine.sps import sps_of
 
         full = float(sps_of(table, min(rows * (gamma + 1), table.max_tokens))) if table is not None else 0.0
         plain = getattr(table, "plain_sps", None)
-        return cls(round_s=1.0 / full if full > 0 else None, plain_s=1.0 / plain if plain else None)
+        return cls(round_s=1.0 / full if full > 0 else None, plain_s=1.0 / plain if plain else None, timed=timed)
 
     def plain_run_length(self) -> int:
         """How many plain steps to run next before deciding again (0: a round next). A run ends
@@ -63,7 +67,7 @@ class PlainStepGate:
         if self.tau is None or self.round_s is None:
             return False  # nothing known about the drafter yet: measure a round
         if self.plain_s is None:
-            return True  # measure a plain step once
+            return self.timed  # measure a plain step once (untimed: no cost to compare with, rounds only)
         if self.tau * self.plain_s >= self.round_s:  # tau / round_s >= 1 / plain_s: rounds pay
             return False
         return self.plain_run < self.probe_every
@@ -73,7 +77,8 @@ class PlainStepGate:
         tokens = np.asarray(tokens_per_request, np.float64)
         if tokens.size:
             self.tau = _smooth(self.tau, float(tokens.mean()))
-        self.round_s = _smooth(self.round_s, seconds)
+        if self.timed:
+            self.round_s = _smooth(self.round_s, seconds)
         if self.plain_run:  # a re-probe: back off while it keeps losing
             lost = self.plain_s is not None and self.tau * self.plain_s < self.round_s
             self.probe_every = min(2 * self.probe_every, PROBE_EVERY_MAX) if lost else PROBE_EVERY
@@ -84,7 +89,8 @@ class PlainStepGate:
         """`steps` plain steps (run in one program) took `seconds` together."""
         if steps < 1:
             return
-        self.plain_s = _smooth(self.plain_s, seconds / steps)
+        if self.timed:
+            self.plain_s = _smooth(self.plain_s, seconds / steps)
         self.plain_run += steps
         self.plain_steps += steps
 

@@ -91,8 +91,9 @@ class Speculative:
         from dspark_jax.engine.fallback import PlainStepGate
 
         key = (rows, cfg.sampling.greedy)
-        if key not in self.gates:
-            self.gates[key] = PlainStepGate.from_table(cfg.sps, rows, self.gamma)
+        if key not in self.gates:  # the tensor layout's processes run one batch together: the same choices
+            shared = layout_of_run(self.args) == "tensor" and gather.process_count() > 1
+            self.gates[key] = PlainStepGate.from_table(cfg.sps, rows, self.gamma, timed=not shared)
         return self.gates[key]
 
     def __call__(self, batch, sampling, seed, progress: bool | None = None):
