@@ -65,15 +65,15 @@ def draft_vocab_coverage(train: list[str], held_out: list[str],
     if not train:
         return {}
     from dspark_jax.data.datagen import read_manifest
-    from dspark_jax.data.pipeline import ShardSource, draft_vocabulary
+    from dspark_jax.data.pipeline import ShardSource, draft_vocabulary, vocabulary_coverage
 
     source = ShardSource(train)
     vocab = read_manifest(train[0])["target_shape"]["vocab_size"]
     picked = {n: draft_vocabulary(source, n, vocab) for n in sizes if n < vocab}
     out = {"train": {n: share for n, (_, share) in picked.items()}}
     if held_out:
-        counts = ShardSource(held_out).response_token_counts(vocab)
-        out["eval"] = {n: float(counts[list(ids)].sum() / max(counts.sum(), 1)) for n, (ids, _) in picked.items()}
+        held_out_source = ShardSource(held_out)
+        out["eval"] = {n: vocabulary_coverage(held_out_source, ids, vocab) for n, (ids, _) in picked.items()}
     return out
 
 

@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     m = datagen.generate_dataset(target, sets, args.split, args.out, limit=args.limit, max_new_tokens=args.max_new_tokens,
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                         batch_size=args.batch_size, shard_size=args.shard_size, seed=args.seed, max_prompt_tokens=args.max_prompt_tokens,
-                         progress=not args.quiet)
+                         batch_size=args.batch_size, shard_size=args.shard_size, seed=args.seed,
+                         max_prompt_tokens=args.max_prompt_tokens, progress=not args.quiet)
     if not gather.is_primary():
         return 0
     state = "complete" if m["complete"] else "incomplete"

@@ -24,10 +24,10 @@ checked and skipped.
 
 Several processes (`python -m dspark_jax.datagen ... --num-processes N --process-id I
 --coordinator-address HOST:PORT`, the same command on each) share the plan: shard i is generated
-and written (atomically, its own file, as soon as its last response is done) by process i % N on its own devices, process 0 alone reads
-the old manifest and writes the new one once every process's shards are in. The shards and the
-manifest are those of a one-process run with the same settings (the shards byte for byte), and an
-interrupted run resumes with any number of processes. The folder must be one all processes see: a
+and written (atomically, its own file, as soon as its last response is done) by process i % N on
+its own devices, process 0 alone reads the old manifest and writes the new one once every
+process's shards are in. The shards and the manifest are those of a one-process run with the same
+settings (the shards byte for byte), and an interrupted run resumes with any number of processes. The folder must be one all processes see: a
 shared disk or an object store URL (`--out gs://bucket/data`, see `core.files`).
 
 Output folder:
@@ -142,10 +142,6 @@ def read_manifest(folder: str) -> dict:
 class Example:
     example_id: str
     prompt_ids: tuple[int, ...]
-
-
-def _shard_seed(seed: int, index: int) -> int:
-    return int(np.random.SeedSequence([seed, index]).generate_state(1)[0] >> 1)
 
 
 TRUNCATION_MARK = "\n\n[...]\n\n"

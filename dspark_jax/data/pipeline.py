@@ -155,8 +155,18 @@ def draft_vocabulary(source: ShardSource, size: int, vocab_size: int) -> tuple[t
     """The `size` most frequent response tokens of the data (ties: the lower id), sorted, and the
     share of response tokens they cover: a drafter's draft vocabulary."""
     counts = source.response_token_counts(vocab_size)
-    order = np.lexsort((np.arange(vocab_size), -counts))[:size]
-    return tuple(int(i) for i in np.sort(order)), float(counts[order].sum() / max(counts.sum(), 1))
+    ids = tuple(int(i) for i in np.sort(np.lexsort((np.arange(vocab_size), -counts))[:size]))
+    return ids, _share(counts, ids)
+
+
+def vocabulary_coverage(source: ShardSource, ids, vocab_size: int) -> float:
+    """The share of `source`'s response tokens that are among `ids` (a draft vocabulary: a token
+    outside it can never be drafted)."""
+    return _share(source.response_token_counts(vocab_size), ids)
+
+
+def _share(counts: np.ndarray, ids) -> float:
+    return float(counts[list(ids)].sum() / max(counts.sum(), 1))
 
 
 class _Subset:

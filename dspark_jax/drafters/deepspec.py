@@ -349,14 +349,9 @@ _INEXPRESSIBLE = {
     "target_embed_scale": "DeepSpec's Qwen3 drafters embed tokens unscaled; the target scales its embeddings "
                           "(Gemma-style), which the layout has no field for",
     "target_hidden_size": "a DeepSpec drafter is exactly as wide as its target (one hidden_size for both)",
-    "target_vocab_size": "a draft vocabulary smaller than the target's needs a draft-to-target token map "
-                         "(d2t), which this export does not write yet",
-    "vocab_size": "a draft vocabulary smaller than the target's needs a draft-to-target token map "
-                  "(d2t), which this export does not write yet",
-    "draft_vocab_size": "a draft vocabulary needs a draft-to-target token map (d2t), which this export "
-                        "does not write yet",
-    "draft_vocab": "a draft vocabulary needs a draft-to-target token map (d2t), which this export "
-                   "does not write yet",
+    **dict.fromkeys(("target_vocab_size", "vocab_size", "draft_vocab_size", "draft_vocab"),
+                    "a draft vocabulary smaller than the target's needs a draft-to-target token map (d2t), "
+                    "which this export does not write yet"),
 }
 
 

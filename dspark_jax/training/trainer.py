@@ -465,20 +465,7 @@ class Trainer:
         self.train_source = load_data(cfg.data.train_dir)
         self.draft_vocab_coverage = self.draft_vocab_eval_coverage = None
         if self.dcfg.draft_vocab_size and not self.dcfg.draft_vocab:  # picked from the data: the same on resume
-            from dspark_jax.data.pipeline import draft_vocabulary
-
-            ids, self.draft_vocab_coverage = draft_vocabulary(self.train_source, self.dcfg.draft_vocab_size,
-                                                              self.dcfg.vocab_size)
-            self.dcfg = self.dcfg.replace(draft_vocab=ids)
-            held_out = ""
-            if cfg.data.eval_dir:  # what counts: a token outside it can never be drafted
-                counts = load_data(cfg.data.eval_dir).response_token_counts(self.dcfg.vocab_size)
-                self.draft_vocab_eval_coverage = float(counts[list(ids)].sum() / max(counts.sum(), 1))
-                held_out = f" and {100 * self.draft_vocab_eval_coverage:.2f}% of the held-out ones"
-            if progress and jax.process_index() == 0:
-                print(f"draft vocabulary: the {len(ids)} most frequent response tokens cover "
-                      f"{100 * self.draft_vocab_coverage:.2f}% of the training responses' tokens{held_out}",
-                      flush=True)
+            self._pick_draft_vocabulary(progress)
         self.mesh = sharding.make_mesh(*cfg.run.mesh)
         self.optimizer = make_optimizer(cfg)
         init_params, _ = drafter_functions(self.dcfg)
@@ -504,6 +491,23 @@ class Trainer:
         self.eval_sharding = NamedSharding(self.mesh, sharding.logical_spec(self.mesh, ("batch",), (cfg.data.rows,)))
         self.feature_cache = self._feature_cache(progress) if cfg.data.feature_cache else None
         self._manager = None
+
+    def _pick_draft_vocabulary(self, progress: bool) -> None:
+        """Fill dcfg.draft_vocab with the most frequent response tokens of train_dir and measure
+        what they cover there and, what counts, on eval_dir's held-out responses."""
+        from dspark_jax.data.pipeline import draft_vocabulary, vocabulary_coverage
+
+        ids, self.draft_vocab_coverage = draft_vocabulary(self.train_source, self.dcfg.draft_vocab_size,
+                                                          self.dcfg.vocab_size)
+        self.dcfg = self.dcfg.replace(draft_vocab=ids)
+        held_out = ""
+        if self.cfg.data.eval_dir:
+            self.draft_vocab_eval_coverage = vocabulary_coverage(load_data(self.cfg.data.eval_dir), ids,
+                                                                 self.dcfg.vocab_size)
+            held_out = f" and {100 * self.draft_vocab_eval_coverage:.2f}% of the held-out ones"
+        if progress and jax.process_index() == 0:
+            print(f"draft vocabulary: the {len(ids)} most frequent response tokens cover "
+                  f"{100 * self.draft_vocab_coverage:.2f}% of the training responses' tokens{held_out}", flush=True)
 
     @property
     def manager(self):
