@@ -12,16 +12,20 @@ from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.drafters.dspark import init_drafter_params
 
 
-def test_calibrate_stores_temperatures_and_writes_report(tiny_target_folder, tmp_path, capsys):
+def confident_drafter(tiny_target_folder, path: str, **metadata) -> str:
+    """A random tiny DSpark drafter with a confidence head, saved at `path`."""
     tcfg, _ = load_hf_model(tiny_target_folder)
     dcfg = DrafterConfig(kind="dspark", num_layers=1, hidden_size=tcfg.hidden_size, num_heads=4, num_kv_heads=2,
                          head_dim=16, intermediate_size=64, vocab_size=tcfg.vocab_size, block_size=4,
                          head="markov", markov_rank=8, confidence=True, mask_token_id=0, target_layer_ids=(0, 1),
                          target_name="tiny", target_vocab_size=tcfg.vocab_size, target_hidden_size=tcfg.hidden_size,
                          target_num_layers=tcfg.num_layers)
-    path = str(tmp_path / "drafter")
-    save_drafter(path, dcfg, jax.device_get(init_drafter_params(dcfg, jax.random.key(0), scale=0.5)),
-                 metadata={"recipe": "random"})
+    save_drafter(path, dcfg, jax.device_get(init_drafter_params(dcfg, jax.random.key(0), scale=0.5)), metadata=metadata)
+    return path
+
+
+def test_calibrate_stores_temperatures_and_writes_report(tiny_target_folder, tmp_path, capsys):
+    path = confident_drafter(tiny_target_folder, str(tmp_path / "drafter"), recipe="random")
     code = calibrate.main(["--drafter", path, "--target", tiny_target_folder, "--sets", "gsm8k", "--limit", "6",
                            "--max-new-tokens", "24", "--no-progress"])
     out, err = capsys.readouterr()
@@ -57,3 +61,24 @@ def test_calibrate_rejects_a_drafter_without_confidence(tiny_target_folder, tmp_
     save_drafter(str(tmp_path / "d"), dcfg, jax.device_get(init_drafter_params(dcfg, jax.random.key(0))))
     assert calibrate.main(["--drafter", str(tmp_path / "d"), "--target", tiny_target_folder]) == 2
     assert "no confidence head" in capsys.readouterr().err
+
+
+def test_calibrations_at_two_decoding_temperatures_are_kept_apart(tiny_target_folder, tmp_path, capsys):
+    """Greedy and T = 1 rounds accept differently: each calibration is stored under its decoding
+    temperature, a request uses the nearest, and recalibrating one temperature leaves the other."""
+    path = confident_drafter(tiny_target_folder, str(tmp_path / "drafter"))
+    fits = {}
+    for temperature in ("0", "1", "0"):
+        code = calibrate.main(["--drafter", path, "--target", tiny_target_folder, "--sets", "gsm8k", "--limit", "6",
+                               "--max-new-tokens", "24", "--no-progress", "--temperature", temperature])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        fits[float(temperature)] = tuple(json.loads(out.strip().splitlines()[-1])["temperatures"])
+    loaded = load_drafter(path)
+    assert set(loaded.sts_by_temperature) == {0.0, 1.0}
+    assert loaded.sts_by_temperature == fits and fits[0.0] != fits[1.0]
+    assert loaded.sts_for(0.0) == fits[0.0] and loaded.sts_for(1.0) == fits[1.0]
+    assert loaded.sts_for(0.7) == fits[1.0] and loaded.sts_for(0.3) == fits[0.0]
+    assert loaded.sts_temperatures == fits[0.0]  # the latest fit, for readers of one list
+    assert set(loaded.metadata["calibrations"]) == {"0", "1"}
+    assert loaded.metadata["calibrations"]["1"]["temperature"] == 1.0

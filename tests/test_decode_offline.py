@@ -331,3 +331,34 @@ def test_killed_run_resumes(capsys, tiny_target_folder, tmp_path):
     if not killed:
         pytest.skip("the run finished before it could be killed (the resume was still checked)")
     assert os.path.getsize(out) > 0
+
+
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_requests_use_the_calibration_of_their_temperature(capsys, tiny_target_folder, tiny_drafter, prompts_file,  # noqa: F811
+                                                           tmp_path, monkeypatch, batching):
+    """A drafter calibrated greedy and at T = 1 decodes each request with the nearer calibration."""
+    import jax
+
+    from dspark_jax.drafters.checkpoint import load_drafter, save_drafter
+    from dspark_jax.engine import speculative
+
+    loaded = load_drafter(tiny_drafter)
+    greedy, sampled = (0.5, 0.6, 0.7, 0.8), (1.5, 1.4, 1.3, 1.2)
+    path = str(tmp_path / "calibrated")
+    save_drafter(path, loaded.config, jax.device_get(loaded.params), sts_temperatures=sampled,
+                 sts_by_temperature={0.0: greedy, 1.0: sampled})
+    seen = []
+    for name in ("speculative_generate", "speculative_serve"):
+        real = getattr(speculative, name)
+
+        def spy(*a, _real=real, **kw):
+            seen.append(tuple(kw["temperatures"]))
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(speculative, name, spy)
+    args = ["--target", tiny_target_folder, "--prompts-file", prompts_file, "--limit", "2", *BASE,
+            "--drafter", path, "--gamma", "3", "--scheduler", "fixed", "--batching", batching]
+    for temperature, expected in (("0", greedy), ("0.8", sampled)):
+        seen.clear()
+        decode_json(capsys, *args, "--temperature", temperature)
+        assert seen and set(seen) == {expected}

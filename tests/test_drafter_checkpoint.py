@@ -72,3 +72,22 @@ def test_missing_corrupt_and_mismatched(tmp_path):
     (path / "drafter.json").write_text("{not json")
     with pytest.raises(UserError, match="corrupt drafter metadata"):
         load_drafter(str(path))
+
+
+def test_calibrations_per_decoding_temperature(tmp_path):
+    params = jax.device_get(init_drafter_params(DCFG, jax.random.key(0)))
+    path = str(tmp_path / "d")
+    greedy, sampled = (0.8, 0.9, 1.0, 1.1), (1.5, 1.2, 1.0, 0.9)
+    save_drafter(path, DCFG, params, sts_temperatures=sampled, sts_by_temperature={0.0: greedy, 1.0: sampled})
+    loaded = load_drafter(path)
+    assert loaded.sts_by_temperature == {0.0: greedy, 1.0: sampled}
+    assert [loaded.sts_for(t) for t in (0.0, 0.2, 0.6, 1.0, 1.5)] == [greedy, greedy, sampled, sampled, sampled]
+    assert loaded.calibrated_at(0.0) == 0.0 and loaded.calibrated_at(0.9) == 1.0
+    save_drafter(path, DCFG, params, sts_temperatures=sampled)  # one list (drafters calibrated before): every request
+    loaded = load_drafter(path)
+    assert loaded.calibrated_at(0.0) is None and loaded.sts_for(0.0) == loaded.sts_for(1.0) == sampled
+    meta = json.load(open(os.path.join(path, "drafter.json")))
+    meta["sts_by_temperature"] = {"greedy": [1.0]}
+    json.dump(meta, open(os.path.join(path, "drafter.json"), "w"))
+    with pytest.raises(UserError, match="corrupt sts_by_temperature"):
+        load_drafter(path)

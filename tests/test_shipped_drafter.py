@@ -5,8 +5,6 @@ is actually useful (mean tau > 1.5 over held-out eval-split prompts of the three
 import json
 import os
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -36,7 +34,7 @@ def test_shipped_drafter_is_compact_and_calibrated():
 
 def test_shipped_drafter_is_lossless_and_accepts_more_than_one_token(smollm2):
     loaded = load_drafter(default_drafter_path("smollm2-135m"), smollm2.config, smollm2.name)
-    dparams = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), loaded.params)
+    dparams = loaded.decoding_params(smollm2)
     tok = smollm2.tokenizer
     # Held-out prompts (eval split, never trained or calibrated on), two per domain: math, code, chat.
     prompts = [tok.chat_prompt_ids(p) for name in ("gsm8k", "mbpp", "arena-hard-v2") for p in get_split(name, "eval")[:2]]
@@ -48,7 +46,7 @@ def test_shipped_drafter_is_lossless_and_accepts_more_than_one_token(smollm2):
                      stop_ids=tuple(tok.eos_token_ids))
     want = generate(smollm2.params, smollm2.config, prompts, max_new_tokens=64, stop_ids=tok.eos_token_ids)
     got = speculative_generate(smollm2.params, smollm2.config, dparams, loaded.config, prompts, max_new_tokens=64,
-                               cfg=cfg, temperatures=loaded.sts_temperatures)
+                               cfg=cfg, temperatures=loaded.sts_for(0.0))
     assert got.token_ids == want.token_ids
     fixed = speculative_generate(smollm2.params, smollm2.config, dparams, loaded.config, prompts, max_new_tokens=64,
                                  cfg=SpecConfig(gamma=gamma, stop_ids=tuple(tok.eos_token_ids)))

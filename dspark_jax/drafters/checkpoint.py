@@ -2,7 +2,11 @@
 
 The JSON records everything needed to use the drafter: its DrafterConfig (including the target it
 belongs to: name, vocab size, hidden size, layer count), the STS temperatures once calibrated, and
-free-form metadata (training recipe, metrics). Each file is written atomically (`core.files`: a
+free-form metadata (training recipe, metrics). A drafter may be calibrated at several decoding
+temperatures (greedy rounds and T = 1 rounds accept differently): `sts_by_temperature` maps each
+decoding temperature it was calibrated at to its STS temperatures, `sts_temperatures` holds the
+latest fit (what a reader that knows only one list uses), and `LoadedDrafter.sts_for(T)` picks the
+calibration nearest to the temperature a request decodes at. Each file is written atomically (`core.files`: a
 temporary name renamed into place, or one upload on an object store), so a crash never leaves a
 half-written file; other files in the folder (e.g. the calibration report) are kept. A drafter is
 written to gs:// (a training run folder there) but loaded from a local folder only (its weights are
@@ -30,9 +34,10 @@ META = "drafter.json"
 FORMAT_VERSION = 1
 
 
-def save_drafter(path: str, cfg: DrafterConfig, params: dict, *, sts_temperatures=None, metadata=None,
-                 dtype: str = "float32") -> None:
-    """Write the drafter atomically (bf16 storage halves the size: `dtype="bfloat16"`)."""
+def save_drafter(path: str, cfg: DrafterConfig, params: dict, *, sts_temperatures=None, sts_by_temperature=None,
+                 metadata=None, dtype: str = "float32") -> None:
+    """Write the drafter atomically (bf16 storage halves the size: `dtype="bfloat16"`).
+    `sts_by_temperature`: {decoding temperature: STS temperatures} of every calibration kept."""
     from safetensors.numpy import save
     import ml_dtypes
 
@@ -42,6 +47,8 @@ def save_drafter(path: str, cfg: DrafterConfig, params: dict, *, sts_temperature
     flat = {k: np.asarray(np.asarray(v, dtype=np.float32).astype(store), order="C") for k, v in flatten(params, ".").items()}
     meta = {"format_version": FORMAT_VERSION, "config": dataclasses.asdict(cfg),
             "sts_temperatures": None if sts_temperatures is None else [float(t) for t in sts_temperatures],
+            "sts_by_temperature": {f"{float(k):g}": [float(t) for t in v]
+                                   for k, v in sorted((sts_by_temperature or {}).items())},
             "storage_dtype": dtype, "metadata": metadata or {}}
     files.makedirs(path)
     # Weights first: a crash in between leaves new weights with the old JSON, which the shape
@@ -67,6 +74,20 @@ class LoadedDrafter:
     sts_temperatures: tuple[float, ...] | None
     metadata: dict
     storage_dtype: str = "float32"
+    sts_by_temperature: dict = dataclasses.field(default_factory=dict)  # {decoding temperature: STS temperatures}
+
+    def calibrated_at(self, temperature: float) -> float | None:
+        """The decoding temperature of the calibration a request at `temperature` uses: the nearest
+        one calibrated (greedy for greedy requests when both exist); None without per-temperature
+        calibrations."""
+        if not self.sts_by_temperature:
+            return None
+        return min(self.sts_by_temperature, key=lambda t: (abs(t - float(temperature)), t))
+
+    def sts_for(self, temperature: float) -> tuple[float, ...] | None:
+        """The STS temperatures to decode at `temperature` with (`calibrated_at`), else the one list."""
+        at = self.calibrated_at(temperature)
+        return self.sts_temperatures if at is None else self.sts_by_temperature[at]
 
     def decoding_params(self, target) -> dict:
         """The params to decode with beside `target` (a registry Target): in the target's weight
@@ -132,5 +153,9 @@ def load_drafter(path: str, target: ModelConfig | None = None, target_name: str 
         raise UserError(f"corrupt drafter weights {weights_path}: {e}") from None
     params = nest({k: np.asarray(v, np.float32) for k, v in flat.items()}, ".")
     temps = meta.get("sts_temperatures")
+    try:
+        by_temperature = {float(k): tuple(float(t) for t in v) for k, v in (meta.get("sts_by_temperature") or {}).items()}
+    except (AttributeError, TypeError, ValueError) as e:
+        raise UserError(f"corrupt sts_by_temperature in {os.path.join(path, META)}: {e}") from None
     return LoadedDrafter(cfg, params, tuple(temps) if temps else None, meta.get("metadata", {}),
-                         meta.get("storage_dtype", "float32"))
+                         meta.get("storage_dtype", "float32"), by_temperature)

@@ -41,7 +41,8 @@ def export_drafter(drafter_dir: str, out_dir: str, target: str | None = None, dt
     summary = save_deepspec_drafter(
         out_dir, dcfg, drafter.params, target_cfg, target_params, target_json=target_json, tokenizer=tokenizer,
         dtype=dtype, sts_temperatures=drafter.sts_temperatures, training=_training_values(drafter.metadata),
-        overwrite=overwrite, side={"exported_from": {"drafter": os.path.abspath(drafter_dir), "target": spec}})
+        overwrite=overwrite, side={"exported_from": {"drafter": os.path.abspath(drafter_dir), "target": spec},
+              "sts_by_temperature": {f"{t:g}": list(v) for t, v in sorted(drafter.sts_by_temperature.items())}})
     summary["target"] = spec
     summary["notes"] = [] if target_json is not None else [
         f"the target {spec} is a GGUF file: the embedding / LM head copies are its (dequantised) weights "

@@ -103,7 +103,7 @@ class Speculative:
         cfg = self.config(batch, sampling)
         return speculative_generate(t.params, t.config, self.dparams, self.dcfg, batch,
                                     max_new_tokens=self.args.max_new_tokens, cfg=cfg, gate=self.gate(len(batch), cfg),
-                                    temperatures=self.loaded.sts_temperatures, seed=seed,
+                                    temperatures=self.loaded.sts_for(sampling.temperature), seed=seed,
                                     progress=(not self.args.json and gather.is_primary()) if progress is None
                                     else progress)
 
@@ -114,7 +114,7 @@ class Speculative:
         cfg = self.config(prompts, sampling)
         return speculative_serve(t.params, t.config, self.dparams, self.dcfg, prompts, slots=slots,
                                  max_new_tokens=self.args.max_new_tokens, cfg=cfg, gate=self.gate(slots, cfg),
-                                 temperatures=self.loaded.sts_temperatures, seed=seed, on_finish=on_finish,
+                                 temperatures=self.loaded.sts_for(sampling.temperature), seed=seed, on_finish=on_finish,
                                  on_progress=on_progress, keep_rounds=False)
 
 

@@ -161,11 +161,20 @@ def round_metrics(rounds, prompts: int, gamma: int, confidence: bool, temperatur
     return out
 
 
+def calibrated_with(loaded, temperature: float) -> dict | None:
+    """The `calibrate` settings of the STS temperatures a run at `temperature` uses."""
+    at = loaded.calibrated_at(temperature)
+    if at is None:
+        return loaded.metadata.get("calibration")
+    return (loaded.metadata.get("calibrations") or {}).get(f"{at:g}")
+
+
 def evaluate_drafter(args, target, label: str, path: str, loaded, gamma: int, benches: list[Bench]) -> dict:
     dcfg = loaded.config
     temps = None
-    if dcfg.confidence and loaded.sts_temperatures is not None and len(loaded.sts_temperatures) >= gamma:
-        temps = np.asarray(loaded.sts_temperatures[:gamma], dtype=np.float64)
+    calibrated = loaded.sts_for(args.temperature)
+    if dcfg.confidence and calibrated is not None and len(calibrated) >= gamma:
+        temps = np.asarray(calibrated[:gamma], dtype=np.float64)
     per_bench = {}
     for b in benches:
         if not args.no_progress and gather.is_primary():
@@ -187,7 +196,7 @@ def evaluate_drafter(args, target, label: str, path: str, loaded, gamma: int, be
         "path": path, "kind": dcfg.kind, "head": dcfg.head, "confidence": dcfg.confidence,
         "block_size": dcfg.block_size, "gamma": gamma,
         "sts_temperatures": None if temps is None else temps.tolist(),
-        "calibrated_with": loaded.metadata.get("calibration"),  # what `calibrate` fitted them on
+        "calibrated_with": calibrated_with(loaded, args.temperature),  # what `calibrate` fitted them on
         "benchmarks": bench_metrics,
         "domains": {d: metrics(names) for d, names in domains.items()},
         "overall": metrics([b.name for b in benches]),

@@ -21,7 +21,8 @@ from dspark_jax.evaluation.rounds import collect_rounds
 def calibrate_drafter(args) -> dict:
     """What `python -m dspark_jax.calibrate` does (args: its settings): full-length rounds on the
     eval split's last --limit prompts per set, STS fitted on half and measured on the other half
-    (the report), then fitted on all rounds and stored in the drafter (or --save-to). Writes
+    (the report), then fitted on all rounds and stored in the drafter (or --save-to) under this
+    decoding temperature, beside its calibrations at other temperatures. Writes
     OUT/report.json and OUT/reliability.png; returns the summary the command prints.
 
     Several processes each call this with the same settings; all return the same summary, and a
@@ -71,15 +72,23 @@ def fit_and_store(args, prompts, loaded, target, rounds) -> dict:
     summary = {"drafter": args.drafter, "target": target.name, "rounds": len(accepted),
                "prompts": len(prompts), "sets": args.sets, "temperature": args.temperature,
                "max_new_tokens": args.max_new_tokens, "temperatures": temperatures, "held_out_report": report}
-    metadata = dict(loaded.metadata, calibration=to_jsonable({k: summary[k] for k in (
-        "rounds", "prompts", "sets", "temperature", "max_new_tokens")}))
+    # Calibrations at other decoding temperatures stay; one at this temperature is replaced.
+    by_temperature = dict(loaded.sts_by_temperature)
+    if not by_temperature and loaded.sts_temperatures is not None:  # a drafter calibrated before there were several
+        earlier = (loaded.metadata.get("calibration") or {}).get("temperature")
+        if earlier is not None:
+            by_temperature[float(earlier)] = loaded.sts_temperatures
+    by_temperature[float(args.temperature)] = tuple(temperatures)
+    calibration = to_jsonable({k: summary[k] for k in ("rounds", "prompts", "sets", "temperature", "max_new_tokens")})
+    calibrations = {**(loaded.metadata.get("calibrations") or {}), f"{float(args.temperature):g}": calibration}
+    metadata = dict(loaded.metadata, calibration=calibration, calibrations=calibrations)
     try:
         files.makedirs(out)
         files.atomic_write_json(os.path.join(out, "report.json"), to_jsonable(summary))
         png = reliability_diagram(report, os.path.join(out, "reliability.png"),
                                   title=f"STS calibration ({len(test_idx)} held-out rounds)")
         save_drafter(args.save_to or args.drafter, loaded.config, loaded.params, sts_temperatures=temperatures,
-                     metadata=metadata, dtype=args.storage_dtype or loaded.storage_dtype)
+                     sts_by_temperature=by_temperature, metadata=metadata, dtype=args.storage_dtype or loaded.storage_dtype)
     except OSError as e:
         raise UserError(f"cannot write {e.filename or out}: {e.strerror or e}") from None
     return to_jsonable({"rounds": len(accepted), "temperatures": temperatures, "ece_raw": report["ece_raw"],

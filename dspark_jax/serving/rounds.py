@@ -205,7 +205,8 @@ def record_rounds(*, drafter: str, target: str, prompts: int, max_new_tokens: in
     cfg = SpecConfig(gamma=gamma, sampling=SamplingConfig(temperature), policy="fixed",
                      stop_ids=())  # stop tokens ignored, as bench_serving does
     dparams = loaded.decoding_params(tgt)
-    temps = None if loaded.sts_temperatures is None else [float(t) for t in loaded.sts_temperatures[:gamma]]
+    calibrated = loaded.sts_for(temperature)
+    temps = None if calibrated is None else [float(t) for t in calibrated[:gamma]]
     logits, accepted, request = [], [], []
     for start in range(0, len(ids), batch_size):
         if progress:
