@@ -291,6 +291,64 @@ def test_an_interrupted_build_leaves_no_complete_cache(tmp_path, monkeypatch):
             os.remove(out / name)
 
 
+_INTERRUPTED_BUILD = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from test_feature_cache import build
+from dspark_jax.data import feature_cache, pipeline
+write, calls = feature_cache._write_batch, []
+
+def stopping(f, *args):
+    write(f, *args)
+    calls.append(1)
+    if len(calls) == 3:  # batches 1 and 2 recorded; batch 3 on disk but not yet recorded
+        f.flush()
+        {stop}
+
+feature_cache._write_batch = stopping
+build(pipeline.ShardSource({data!r}), {out!r}, checkpoint_every_s=0)
+"""
+
+
+@pytest.mark.parametrize("stop", ["os.kill(os.getpid(), signal.SIGKILL)", "raise KeyboardInterrupt"])
+def test_a_killed_build_resumes_where_it_stopped(tmp_path, monkeypatch, stop):
+    """kill -9 and Ctrl-C part-way: the next build takes the partial file over, computes only the
+    batches after the last record, and the cache is byte for byte an uninterrupted build's."""
+    data = tiny_data(tmp_path)
+    source = ShardSource(data)
+    whole = build(source, tmp_path / "whole")
+    batches = len(list(feature_cache._packed_rows(np.minimum(source.lengths(), PACK.seq_len), PACK.seq_len, 3)))
+    assert batches >= 5
+    out = tmp_path / "cache"
+    script = _INTERRUPTED_BUILD.format(tests=os.path.dirname(os.path.abspath(__file__)), data=data, out=str(out),
+                                       stop=stop)
+    killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert killed.returncode != 0 and not feature_cache.is_complete(str(out))
+    left = partials(out)
+    assert len(left) == 2 and left[1] == left[0] + ".json"  # the partial file and its progress record
+    record = json.load(open(out / left[1]))
+    assert 0 < record["examples"] and record["bytes"] < os.path.getsize(out / left[0])  # rewritten on resume
+
+    calls = []
+    online = pipeline.target_features
+    monkeypatch.setattr(pipeline, "target_features", lambda *a: calls.append(1) or online(*a))
+    resumed = build(source, out)
+    assert len(calls) == batches - 2 and not partials(out)
+    assert open(out / "features.npy", "rb").read() == open(tmp_path / "whole" / "features.npy", "rb").read()
+    assert np.array_equal(resumed.features, whole.features)
+
+    # A partial file of another cache (other data) is not taken over: it is removed and the build starts over.
+    other = tmp_path / "other"
+    subprocess.run([sys.executable, "-c", _INTERRUPTED_BUILD.format(
+        tests=os.path.dirname(os.path.abspath(__file__)), data=tiny_data(tmp_path, "d2", seed=1), out=str(other),
+        stop=stop)], capture_output=True, text=True)
+    assert len(partials(other)) == 2
+    calls.clear()
+    build(source, other)
+    assert len(calls) == batches and not partials(other)
+    assert open(other / "features.npy", "rb").read() == open(tmp_path / "whole" / "features.npy", "rb").read()
+
+
 def test_two_builds_into_one_folder_do_not_clash(tmp_path, monkeypatch):
     source = ShardSource(tiny_data(tmp_path))
     out = tmp_path / "cache"

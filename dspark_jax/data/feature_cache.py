@@ -33,9 +33,15 @@ through `pipeline.target_features` and written in order to `features.npy.partial
 (a name of this build's own, so concurrent builds never write into one file) by the target run as
 the online path runs it (the trainer passes `trainer.target_feature_inputs`), which is renamed to
 `features.npy` when complete; `cache.json` is written last (and removed when a rebuild starts), so
-a folder is complete iff it has `cache.json`, and a killed build leaves nothing that looks complete:
-the next build starts over (and removes the partial files of builds on this host whose process is
-gone). Write errors (a full disk, an unwritable folder) are one-line UserErrors.
+a folder is complete iff it has `cache.json`, and a killed build leaves nothing that looks complete.
+A build resumes: about every `checkpoint_every_s` seconds it syncs its partial file and records,
+next to it (`<partial>.json`), how many examples and bytes are on disk for which cache (the
+`cache_spec`). A later build on the same host takes over the partial file of a build whose process
+is gone (killed, or stopped with Ctrl-C) if it was building this very cache and continues after
+its last record: the bytes are those of an uninterrupted build (the packing is deterministic). Other partial files of dead builds on this host are removed; a live build's file,
+or another host's, is left alone. Write errors (a full disk, an unwritable folder) are one-line
+UserErrors and remove the partial file. A build into an object store (gs://) is written whole at
+the end and does not resume.
 
 Opening (`open_feature_cache`) checks cache.json against the run (target, tap layers, data with
 its content hash, seq_len: `cache_spec`); a cache built for something else is a one-line
@@ -45,6 +51,7 @@ padding).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -53,6 +60,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 import time
 import uuid
 from typing import Sequence
@@ -194,11 +202,12 @@ def gather(cache: FeatureCache, token_index: np.ndarray, present_mask: np.ndarra
 # ---------------------------------------------------------------------------- building
 
 
-def _packed_rows(lengths: np.ndarray, seq_len: int, rows: int):
+def _packed_rows(lengths: np.ndarray, seq_len: int, rows: int, first: int = 0):
     """First-fit packing in data order of examples of `lengths` (<= seq_len): yields (first example,
     end example, [row of each example], [slot of each example]) per batch; examples [first, end)
-    fill at most `rows` rows of seq_len."""
-    first, n = 0, len(lengths)
+    fill at most `rows` rows of seq_len. Each batch depends only on where it starts, so a build
+    resumed at a batch boundary packs what an uninterrupted one would."""
+    n = len(lengths)
     while first < n:
         free, row_of, slot_of, i = [seq_len] * rows, [], [], first
         while i < n:
@@ -256,21 +265,54 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def _remove_dead_partials(out_dir: str) -> None:
-    """Remove the partial files of builds on this host whose process is gone (a kill -9 leaves its
-    partial file behind); a live build's file, or another host's, is left alone."""
-    host = socket.gethostname()
+def _dead_partials(out_dir: str) -> list[str]:
+    """The partial files of builds on this host whose process is gone (a kill leaves its partial
+    file and progress record behind); a live build's file, or another host's, is not listed."""
+    host, dead = socket.gethostname(), []
     for name in os.listdir(out_dir):
-        if not name.startswith(_PARTIAL + "."):
+        if not name.startswith(_PARTIAL + ".") or name.endswith(".json"):
             continue
         owner = name[len(_PARTIAL) + 1:].rsplit(".", 2)  # host (may hold dots), pid, random
-        if len(owner) != 3 or owner[0] != host or not owner[1].isdigit():
-            continue
-        if not _process_alive(int(owner[1])):
-            try:
-                os.remove(os.path.join(out_dir, name))
-            except FileNotFoundError:  # removed by another build meanwhile
-                pass
+        if len(owner) == 3 and owner[0] == host and owner[1].isdigit() and not _process_alive(int(owner[1])):
+            dead.append(name)
+    return dead
+
+
+def _read_progress(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        return record if isinstance(record, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _take_over_dead_partials(out_dir: str, spec: dict, partial: str) -> tuple[int, int]:
+    """Rename the furthest dead partial file of this very cache to `partial` (this build's name) and
+    remove the other dead ones; (examples, bytes) it holds for sure, (0, 0) when none is usable."""
+    best, done = None, (0, 0)
+    for name in _dead_partials(out_dir):
+        record = _read_progress(os.path.join(out_dir, name + ".json"))
+        try:
+            usable = (record is not None and record.get("spec") == spec
+                      and os.path.getsize(os.path.join(out_dir, name)) >= int(record["bytes"]))
+            progress = (int(record["examples"]), int(record["bytes"])) if usable else None
+        except (OSError, KeyError, TypeError, ValueError):
+            progress = None
+        if progress is not None and progress[1] > done[1]:
+            best, done = name, progress
+    for name in _dead_partials(out_dir):
+        if name == best:
+            try:  # the rename claims it: a build racing for the same file gets FileNotFoundError
+                os.rename(os.path.join(out_dir, name), os.path.join(out_dir, partial))
+                os.rename(os.path.join(out_dir, name + ".json"), os.path.join(out_dir, partial + ".json"))
+            except FileNotFoundError:
+                done = (0, 0)
+        with contextlib.suppress(FileNotFoundError):  # removed by another build meanwhile
+            os.remove(os.path.join(out_dir, name))
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out_dir, name + ".json"))
+    return done
 
 
 def _float_dtypes(tree) -> str:
@@ -279,16 +321,19 @@ def _float_dtypes(tree) -> str:
 
 def build_feature_cache(target_params, target_cfg, tap_layers: Sequence[int], source: pipeline.ShardSource,
                         seq_len: int, out_dir: str, rows: int = 8, progress: bool = True, *,
-                        target_name: str | None = None, batch_sharding=None) -> FeatureCache:
-    """Compute and store the features of every token of `source` (see the module docstring).
+                        target_name: str | None = None, batch_sharding=None,
+                        checkpoint_every_s: float = 60.0) -> FeatureCache:
+    """Compute and store the features of every token of `source` (see the module docstring),
+    continuing a killed build of the same cache on this host where it stopped.
 
     The target runs exactly as given: `target_params` in their dtype, activations in
     `target_cfg.dtype`. To get the online path's features, pass what it uses:
     `trainer.target_feature_inputs(params, cfg, compute_dtype)` (the params cast to the run's
     compute dtype, the target's own config), as the trainer does. Values are stored as bfloat16.
     `target_name` defaults to the data's target; `batch_sharding` places each [rows, seq_len] batch
-    (default: jit's choice). Errors writing `out_dir` (a file there, no permission, a full disk)
-    are one-line UserErrors. Returns the opened cache."""
+    (default: jit's choice); `checkpoint_every_s`: how often the progress a resume starts from is
+    synced to disk. Errors writing `out_dir` (a file there, no permission, a full disk) are
+    one-line UserErrors. Returns the opened cache."""
     tap_layers = tuple(int(t) for t in tap_layers)
     d = target_cfg.hidden_size
     F = (len(tap_layers) + 1) * d
@@ -296,54 +341,77 @@ def build_feature_cache(target_params, target_cfg, tap_layers: Sequence[int], so
     if files.exists(out_dir) and not files.is_dir(out_dir):
         raise UserError(f"the feature cache {out_dir} is a file, not a folder: point data.feature_cache elsewhere")
     spec = cache_spec(target_name or source.target_name, target_cfg, tap_layers, data_fingerprint(source), seq_len)
+    spec["rows"] = int(rows)  # the packing of the build, which a resumed build must share
     meta_path, final = os.path.join(out_dir, META), os.path.join(out_dir, FEATURES)
     size, local = num_tokens * F * 2, not files.is_url(out_dir)
+    partial, resumed = _partial_name(), (0, 0)
     try:
         files.makedirs(out_dir)
         for stale in (meta_path, final):  # cache.json first: from here on the folder is incomplete
             files.remove(stale)
         if local:  # an object store has no partial files (an upload is whole) nor a free-space figure
-            _remove_dead_partials(out_dir)
+            resumed = _take_over_dead_partials(out_dir, spec, partial)
         free = shutil.disk_usage(out_dir).free if local else size
     except OSError as e:
         raise UserError(f"cannot write the feature cache in {out_dir}: {_reason(e)}; point data.feature_cache "
                         f"elsewhere") from None
-    if free < size:
+    if free < size - resumed[1]:
         raise UserError(f"the feature cache needs {size / 2**30:.1f} GiB ({2 * F} bytes x {num_tokens} tokens), "
                         f"{out_dir} has {free / 2**30:.1f} GiB free: point data.feature_cache elsewhere")
     lengths = np.minimum(source.lengths(), seq_len)
+    first = resumed[0]
+    if first and progress:
+        print(f"resuming the feature cache build of {out_dir} at example {first} of {len(lengths)}",
+              file=sys.stderr, flush=True)
 
-    bar = tqdm(total=int(lengths.sum()), disable=not progress, desc="feature cache", unit="tok", unit_scale=True)
-    try:
-        with files.atomic_writer(final, temp_name=_partial_name()) as f:
-            np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint16)),
-                                                     "fortran_order": False, "shape": (num_tokens, F)})
-            pending = None  # write batch i while the target computes batch i + 1
-            for first, end, row_of, slot_of in _packed_rows(lengths, seq_len, rows):
-                tokens, positions, segment_ids = (np.zeros((rows, seq_len), np.int32) for _ in range(3))
-                for k, (r, s) in enumerate(zip(row_of, slot_of)):
-                    i = first + k
-                    n = int(lengths[i])
-                    tokens[r, s: s + n] = source.tokens[source.offsets[i]: source.offsets[i] + n]
-                    positions[r, s: s + n] = np.arange(n)
-                    segment_ids[r, s: s + n] = k + 1
-                batch = dict(tokens=tokens, positions=positions, segment_ids=segment_ids)
-                if batch_sharding is not None:
-                    batch = jax.device_put(batch, batch_sharding)
-                out = _bf16_rows(*pipeline.target_features(target_params, target_cfg, batch, tap_layers))
-                if pending is not None:
-                    _write_batch(f, source, *pending)
-                    bar.update(int(lengths[pending[0]: pending[1]].sum()))
-                pending = (first, end, row_of, slot_of, seq_len, out)
+    def compute(first, end, row_of, slot_of):
+        tokens, positions, segment_ids = (np.zeros((rows, seq_len), np.int32) for _ in range(3))
+        for k, (r, s) in enumerate(zip(row_of, slot_of)):
+            i = first + k
+            n = int(lengths[i])
+            tokens[r, s: s + n] = source.tokens[source.offsets[i]: source.offsets[i] + n]
+            positions[r, s: s + n] = np.arange(n)
+            segment_ids[r, s: s + n] = k + 1
+        batch = dict(tokens=tokens, positions=positions, segment_ids=segment_ids)
+        if batch_sharding is not None:
+            batch = jax.device_put(batch, batch_sharding)
+        return _bf16_rows(*pipeline.target_features(target_params, target_cfg, batch, tap_layers))
+
+    bar = tqdm(total=int(lengths.sum()), initial=int(lengths[:first].sum()), disable=not progress,
+               desc="feature cache", unit="tok", unit_scale=True)
+
+    def fill(f, checkpoint) -> None:
+        """Write from example `first` on; `checkpoint(examples)` after each batch written."""
+        pending = None  # write batch i while the target computes batch i + 1
+        for first_, end, row_of, slot_of in _packed_rows(lengths, seq_len, rows, first):
+            out = compute(first_, end, row_of, slot_of)
             if pending is not None:
                 _write_batch(f, source, *pending)
                 bar.update(int(lengths[pending[0]: pending[1]].sum()))
-    except OSError as e:  # atomic_writer removed this build's own partial file
+                checkpoint(pending[1])
+            pending = (first_, end, row_of, slot_of, seq_len, out)
+        if pending is not None:
+            _write_batch(f, source, *pending)
+            bar.update(int(lengths[pending[0]: pending[1]].sum()))
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint16)),
+                                                  "fortran_order": False, "shape": (num_tokens, F)})
+    try:
+        if local:
+            _fill_resumably(os.path.join(out_dir, partial), final, header.getvalue(), resumed, spec, fill,
+                            checkpoint_every_s)
+        else:
+            with files.atomic_writer(final) as f:
+                f.write(header.getvalue())
+                fill(f, lambda examples: None)
+    except OSError as e:
         hint = " (it needs {:.1f} GiB)".format(size / 2**30) if e.errno in _DISK_FULL else ""
         raise UserError(f"writing the feature cache in {out_dir} failed: {_reason(e)}{hint}; free space or "
                         f"point data.feature_cache elsewhere") from None
     finally:
         bar.close()
+    del spec["rows"]
     meta = dict(format=FORMAT, **spec, d=d, F=F, num_tokens=num_tokens, dtype="bfloat16",
                 compute_dtype=_float_dtypes(target_params), activation_dtype=str(target_cfg.dtype),
                 created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
@@ -353,3 +421,44 @@ def build_feature_cache(target_params, target_cfg, tap_layers: Sequence[int], so
         raise UserError(f"writing {meta_path} failed: {_reason(e)}; free space or point data.feature_cache "
                         f"elsewhere") from None
     return open_feature_cache(out_dir, spec)
+
+
+def _fill_resumably(partial: str, final: str, header: bytes, resumed: tuple[int, int], spec: dict, fill,
+                    every_s: float) -> None:
+    """Write the cache into `partial` (continuing at `resumed` = (examples, bytes) when not (0, 0)),
+    recording progress in `partial`.json, then rename it to `final`. A kill or Ctrl-C leaves both
+    for the next build to continue; any other error removes them."""
+    record = partial + ".json"
+    if resumed[1]:  # bytes past the record are written again, with the same values
+        f = open(partial, "r+b")
+        f.seek(resumed[1])
+    else:
+        f = open(partial, "xb")
+        f.write(header)
+    last = [time.monotonic()]
+
+    def checkpoint(examples: int) -> None:
+        if time.monotonic() - last[0] < every_s:
+            return
+        f.flush()
+        os.fsync(f.fileno())  # the bytes first, then the record that vouches for them
+        files.atomic_write_json(record, {"spec": spec, "examples": int(examples), "bytes": f.tell()})
+        last[0] = time.monotonic()
+
+    try:
+        with f:
+            fill(f, checkpoint)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(partial, 0o644)  # data to share
+        os.replace(partial, final)
+        files.sync_folder(os.path.dirname(final))
+    except KeyboardInterrupt:  # kept: the next build continues from the last record
+        raise
+    except BaseException:
+        for leftover in (partial, record):
+            with contextlib.suppress(OSError):
+                os.remove(leftover)
+        raise
+    with contextlib.suppress(OSError):
+        os.remove(record)
