@@ -43,6 +43,14 @@ LEVERS = {
     "bf16": ["run.compute_dtype=bfloat16"],
     "bf16_vocab8k": ["run.compute_dtype=bfloat16", "drafter.draft_vocab_size=8192"],
     "vocab8k_init": ["drafter.draft_vocab_size=8192", "optim.init_from_target=true"],
+    "cache_vocab16k": ["data.feature_cache={feature_cache}", "drafter.draft_vocab_size=16384"],
+    "cache_vocab32k": ["data.feature_cache={feature_cache}", "drafter.draft_vocab_size=32768"],
+    "cache_init": ["data.feature_cache={feature_cache}", "optim.init_from_target=true"],
+    "cache_vocab16k_init": ["data.feature_cache={feature_cache}", "drafter.draft_vocab_size=16384",
+                            "optim.init_from_target=true"],
+    # bf16 drafter math on fp32 features: the cache holds the fp32 target's features (stored bf16)
+    "cache_vocab16k_init_bf16": ["data.feature_cache={feature_cache}", "drafter.draft_vocab_size=16384",
+                                 "optim.init_from_target=true", "run.compute_dtype=bfloat16"],
 }
 
 
