@@ -1,7 +1,7 @@
 """Training levers side by side: step time, blocks/s and held-out expected tau after the same CPU budget.
 
     python benchmarks/bench_train_levers.py [--config configs/dspark_smollm2-135m.yaml] \
-        [--data data/smollm2-train] [--eval-data data/smollm2-eval] [--budget-s 480] \
+        [--data data/smollm2-train] [--first-shards N] [--eval-data data/smollm2-eval] [--budget-s 480] \
         [--levers base,vocab8k,vocab16k,init,rows16] [--eval-batches 16] [--name train_levers]
 
 With --budget-s 0 only the step times are measured.
@@ -98,6 +98,27 @@ def run_lever(args, overrides: list[str]) -> dict:
             "eval_acceptance_per_position": last.get("eval_acceptance_per_position")}
 
 
+def first_shards(data: str, count: int, folder: str) -> str:
+    """A view of the first `count` shards of the datagen folder `data` in `folder` (links to the
+    shards and a manifest listing only them): a slice of a large run to compare levers on."""
+    from dspark_jax.core import files
+
+    manifest = json.load(open(os.path.join(data, "manifest.json")))
+    shards = manifest["shards"][:count]
+    if len(shards) < count:
+        sys.exit(f"error: {data} has {len(shards)} shards, fewer than --first-shards {count}")
+    os.makedirs(folder, exist_ok=True)
+    for shard in shards:
+        link = os.path.join(folder, shard["file"])
+        if not os.path.lexists(link):
+            os.symlink(os.path.abspath(os.path.join(data, shard["file"])), link)
+    view = dict(manifest, shards=shards, complete=False, num_examples=sum(s["num_examples"] for s in shards),
+                num_tokens=sum(s["num_tokens"] for s in shards),
+                response_tokens=sum(s["response_tokens"] for s in shards))
+    files.atomic_write_json(os.path.join(folder, "manifest.json"), view)
+    return folder
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/dspark_smollm2-135m.yaml")
@@ -109,6 +130,9 @@ def main() -> None:
     ap.add_argument("--eval-batches", type=int, default=16)
     ap.add_argument("--feature-cache", default="data/smollm2-train-features",
                     help="the levers' feature cache folder (built on first use for --data)")
+    ap.add_argument("--first-shards", type=int, default=0,
+                    help="train on the first N shards of the datagen folder --data only (a view in "
+                         "data/views/NAME-firstN, reused by later runs)")
     ap.add_argument("--name", default="train_levers")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run this lever, print its JSON
@@ -117,6 +141,9 @@ def main() -> None:
         overrides = [o.format(feature_cache=args.feature_cache) for o in LEVERS[args.one]]
         print("RESULT " + json.dumps(run_lever(args, overrides)), flush=True)
         return
+    if args.first_shards:
+        name = f"{os.path.basename(args.data.rstrip('/'))}-first{args.first_shards}"
+        args.data = first_shards(args.data, args.first_shards, os.path.join("data", "views", name))
     names = [n.strip() for n in args.levers.split(",") if n.strip()]
     unknown = [n for n in names if n not in LEVERS]
     if unknown:
