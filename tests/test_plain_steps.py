@@ -83,6 +83,75 @@ def test_greedy_with_plain_steps_equals_greedy_target(policy, pattern):
         assert gate.rounds > 0 and accepting > 0
 
 
+class RunGate(PlainStepGate):
+    """Plain-step runs of the given lengths (0: a round), in order, then rounds."""
+
+    def __init__(self, runs):
+        super().__init__()
+        self.runs = iter(runs)
+
+    def plain_run_length(self) -> int:
+        return next(self.runs, 0)
+
+
+def eagle3_drafter():
+    from dspark_jax.drafters.config import DrafterConfig
+    from dspark_jax.drafters.eagle3 import init_eagle3_params
+
+    dcfg = DrafterConfig(kind="eagle3", num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                         intermediate_size=48, vocab_size=32, head="none", confidence=False, target_layer_ids=(0, 2),
+                         target_vocab_size=32, target_hidden_size=32, target_num_layers=4)
+    return dcfg, init_eagle3_params(dcfg, jax.random.key(2), scale=0.3)
+
+
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+@pytest.mark.parametrize("sampling", [SamplingConfig(0.0), SamplingConfig(1.0)], ids=["greedy", "T1"])
+def test_a_run_of_plain_steps_leaves_the_drafter_where_single_steps_do(kind, sampling):
+    """A run of k plain steps commits its anchors' features to the drafter at the end, all at once:
+    the drafter's context (its cache over the committed positions, and Eagle3's carried feature)
+    must be what k one-step runs leave, for rows that finish inside the run too."""
+    from dspark_jax.engine import speculative as S
+    from dspark_jax.engine.generate import flatten_prompts, pad_prompts
+
+    dcfg, dparams = drafter() if kind == "dspark" else eagle3_drafter()
+    if kind == "dspark":  # a random drafter: its context projections are not the test drafter's special ones
+        dparams = init_drafter_params(dcfg, jax.random.key(4), scale=0.5)
+    cfg = SpecConfig(gamma=3, sampling=sampling)
+    budgets = [30, 4, 30]  # the second row finishes inside the run
+    tokens, lengths, max_len = pad_prompts(TCFG, PROMPTS, 30, slack=cfg.gamma + 1)
+    state = S.spec_prefill(TARGET, dparams, jax.numpy.asarray(tokens), jax.numpy.asarray(lengths),
+                           jax.numpy.asarray(budgets), jax.random.key(3), flatten_prompts(PROMPTS), tcfg=TCFG,
+                           dcfg=dcfg, cfg=cfg, max_len=max_len)
+    statics = dict(tcfg=TCFG, dcfg=dcfg, cfg=cfg)
+    copy = lambda tree: jax.tree.map(lambda a: a.copy(), tree)  # noqa: E731  (the step donates its state)
+    batched, stats = S.spec_plain(TARGET, dparams, copy(state), np.int32(7), **statics)
+    stepped = copy(state)
+    for _ in range(7):
+        stepped, _ = S.spec_plain(TARGET, dparams, stepped, np.int32(1), **statics)
+    np.testing.assert_array_equal(stats.active, [7, 3, 7])  # steps each row took
+    np.testing.assert_array_equal(batched.output, stepped.output)
+    a, b = batched.draft, stepped.draft
+    np.testing.assert_array_equal(a.cache.lengths, b.cache.lengths)
+    np.testing.assert_array_equal(a.cache.lengths - state.draft.cache.lengths, [7, 3, 7])
+    for row, n in enumerate(np.asarray(a.cache.lengths)):  # every committed position, every layer
+        np.testing.assert_allclose(a.cache.k[:, row, :n], b.cache.k[:, row, :n], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(a.cache.v[:, row, :n], b.cache.v[:, row, :n], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(a.last_feature, b.last_feature, rtol=1e-6, atol=1e-6)
+    # And what both hold is the context of the whole committed prefix: what a prefill of the prompt
+    # plus every emitted token but the newest (the next anchor) gives the drafter.
+    emitted = [np.asarray(batched.output)[r, : int(batched.num_generated[r]) - 1].tolist() for r in range(3)]
+    prefixes = [p + e for p, e in zip(PROMPTS, emitted)]
+    tokens, lengths, _ = pad_prompts(TCFG, prefixes, 30, slack=cfg.gamma + 1)
+    fresh = S.spec_prefill(TARGET, dparams, jax.numpy.asarray(tokens), jax.numpy.asarray(lengths),
+                           jax.numpy.asarray(budgets), jax.random.key(3), flatten_prompts(prefixes), tcfg=TCFG,
+                           dcfg=dcfg, cfg=cfg, max_len=max_len)
+    np.testing.assert_array_equal(fresh.draft.cache.lengths, a.cache.lengths)
+    for row, n in enumerate(np.asarray(a.cache.lengths)):
+        np.testing.assert_allclose(a.cache.k[:, row, :n], fresh.draft.cache.k[:, row, :n], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(a.cache.v[:, row, :n], fresh.draft.cache.v[:, row, :n], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(a.last_feature, fresh.draft.last_feature, rtol=1e-4, atol=1e-4)
+
+
 def test_continuous_batching_with_plain_steps_is_lossless():
     """7 requests through 3 slots, refills between plain steps and rounds, stop tokens on."""
     dcfg, dparams = drafter()

@@ -201,11 +201,11 @@ def verify_and_commit(target_params, dparams, state: SpecState, drafted: Drafted
 
 
 def plain_and_commit(target_params, dparams, state: SpecState, *, tcfg: ModelConfig, dcfg: DrafterConfig,
-                     cfg: SpecConfig) -> SpecState:
+                     cfg: SpecConfig) -> tuple[SpecState, jax.Array]:
     """A plain target decode step in place of a round (DESIGN.md 3.3b): no drafter pass; the target
     reads the anchor alone and emits its own next token (argmax, or a draw from its processed
-    distribution, as plain decoding does), and the anchor's features go to the drafter's context
-    as a round would commit them, so a later round drafts from the whole prefix."""
+    distribution, as plain decoding does). The drafter's context is left to the caller: returns
+    the anchor's features [B, m*d], which `plain_steps` commits for a whole run of steps at once."""
     active = ~state.done
     key, _, k_sample = jax.random.split(state.key, 3)  # as a round splits it
     verify_tokens = state.anchor[:, None]  # [B, 1]
@@ -214,38 +214,52 @@ def plain_and_commit(target_params, dparams, state: SpecState, *, tcfg: ModelCon
                                               bucket=None)
     token = sample(k_sample, target_logits[:, 0], cfg.sampling)
     return _commit(dparams, dcfg, target_params, state, cache, verify_tokens, taps, token[:, None],
-                   jnp.zeros_like(state.num_generated), key, state.sched, cfg)
+                   jnp.zeros_like(state.num_generated), key, state.sched, cfg, commit_draft=False), taps[:, 0]
 
 
 def plain_steps(target_params, dparams, state: SpecState, steps, *, tcfg: ModelConfig, dcfg: DrafterConfig,
                 cfg: SpecConfig) -> tuple[SpecState, RoundStats]:
-    """Up to `steps` (a traced int: one program serves every run length) plain target steps in one
-    program, stopping early once every row is done, so a run of them costs what plain decoding's
-    chunks cost: no host round trip per token."""
+    """Up to `steps` <= MAX_PLAIN_RUN (a traced int: one program serves every run length) plain
+    target steps in one program, stopping early once every row is done, so a run of them costs what
+    plain decoding's chunks cost: no host round trip per token. The anchors' features go to the
+    drafter's context after the run, all at once, as one round committing them would (a round
+    drafts from the whole prefix); committing them step by step streamed the drafter's context
+    weights once per token, ~5% of a plain step here."""
+    B = state.anchor.shape[0]
+    tap_shape = jax.eval_shape(lambda s: plain_and_commit(target_params, dparams, s, tcfg=tcfg, dcfg=dcfg,
+                                                          cfg=cfg)[1], state)
+
     def more(carry):
-        i, s, _ = carry
-        return (i < steps) & ~jnp.all(s.done)
+        i, s = carry[:2]
+        return (i < jnp.minimum(steps, MAX_PLAIN_RUN)) & ~jnp.all(s.done)
 
     def step(carry):
-        i, s, took = carry
-        return i + 1, plain_and_commit(target_params, dparams, s, tcfg=tcfg, dcfg=dcfg, cfg=cfg), took + ~s.done
+        i, s, took, anchors, taps = carry
+        new, tap = plain_and_commit(target_params, dparams, s, tcfg=tcfg, dcfg=dcfg, cfg=cfg)
+        return i + 1, new, took + ~s.done, anchors.at[:, i].set(s.anchor), taps.at[:, i].set(tap)
 
-    B = state.anchor.shape[0]
-    ran, state, took = jax.lax.while_loop(more, step, (jnp.int32(0), state, jnp.zeros((B,), jnp.int32)))
+    start = (jnp.int32(0), state, jnp.zeros((B,), jnp.int32), jnp.zeros((B, MAX_PLAIN_RUN), state.anchor.dtype),
+             jnp.zeros((B, MAX_PLAIN_RUN) + tap_shape.shape[1:], tap_shape.dtype))
+    ran, end, took, anchors, taps = jax.lax.while_loop(more, step, start)
+    # A row took its steps first (done never clears), so its anchors and features are slots 0..took-1.
+    draft = drafting.commit(dparams, dcfg, target_params, state.draft, anchors, taps, took, took > 0)
     zeros = jnp.zeros((B,), jnp.int32)
-    return state, RoundStats(took, zeros, zeros, jnp.zeros((B, cfg.gamma), jnp.float32), ran)
+    return dataclasses.replace(end, draft=draft), RoundStats(took, zeros, zeros, jnp.zeros((B, cfg.gamma), jnp.float32),
+                                                             ran)
 
 
 def _commit(dparams, dcfg: DrafterConfig, target_params, state: SpecState, cache: decoder.KVCache, verify_tokens,
-            taps, emitted, accepted, key, sched, cfg: SpecConfig) -> SpecState:
+            taps, emitted, accepted, key, sched, cfg: SpecConfig, commit_draft: bool = True) -> SpecState:
     """The end of a step: keep x_0..x_a of the verify tokens (the target cache rolls back to them,
-    their features feed the drafter) and emit emitted[:, :a+1] (accepted drafts, then the bonus or
-    the plain step's token); a stop token or the budget may end the row inside them."""
+    their features feed the drafter unless `commit_draft` is False) and emit emitted[:, :a+1]
+    (accepted drafts, then the bonus or the plain step's token); a stop token or the budget may end
+    the row inside them."""
     B, width = emitted.shape
     active = ~state.done
     committed = jnp.where(active, accepted + 1, 0)
     cache = dataclasses.replace(cache, lengths=state.cache.lengths + committed)
-    draft = drafting.commit(dparams, dcfg, target_params, state.draft, verify_tokens, taps, committed, active)
+    draft = (drafting.commit(dparams, dcfg, target_params, state.draft, verify_tokens, taps, committed, active)
+             if commit_draft else state.draft)
     slot = jnp.arange(width)[None, :]
     in_step = slot <= accepted[:, None]
     stops = stop_mask(emitted, cfg.stop_ids) & in_step
