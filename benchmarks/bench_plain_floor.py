@@ -7,8 +7,8 @@ When drafts do not pay, the `auto` scheduler's gate runs plain target steps (DES
 engine can then be no faster than plain decoding, and must not be slower. This measures that
 floor: the same greedy batch of eval-split gsm8k prompts through plain decoding (`generate`) and
 through the speculative engine with a gate that always picks plain steps, alternating, in one
-process; decode time only (the engine's prefill also builds the drafter's context), XLA compilation
-excluded. Outputs must be token for token the same.
+process; decode and prefill timed apart (the engine's prefill also builds the drafter's context of
+the prompt), XLA compilation excluded. Outputs must be token for token the same.
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ def main() -> None:
     loaded = load_drafter(drafter, target.config, target.name)
     dparams = loaded.decoding_params(target)
     prompts = common.eval_prompts(target.tokenizer, ("gsm8k",), max(args.batch_sizes), 1024)
-    rows, md = [], ["| batch | plain decode s | engine, plain steps only, decode s | engine / plain | same tokens |",
-                    "|---:|---:|---:|---:|---|"]
+    rows, md = [], ["| batch | plain decode s | engine, plain steps only, decode s | engine / plain | plain prefill s | "
+                    "engine prefill s | engine / plain | same tokens |", "|---:|---:|---:|---:|---:|---:|---:|---|"]
     for batch in args.batch_sizes:
-        plain, engine, same = [], [], True
+        plain, engine, plain_prefill, engine_prefill, same = [], [], [], [], True
         for rep in range(args.repeats + 1):  # the first pair warms both up and is not counted
             never_drafts = PlainStepGate(round_s=float("inf"), plain_s=1e-3, tau=1.0, probe_every=10**9)
             runs = {}
@@ -66,16 +66,21 @@ def main() -> None:
             if rep:
                 plain.append(runs["plain"].decode_s)
                 engine.append(runs["engine"].decode_s)
+                plain_prefill.append(runs["plain"].prefill_s)
+                engine_prefill.append(runs["engine"].prefill_s)
         row = {"batch": batch, "plain_decode_s": float(np.median(plain)), "engine_decode_s": float(np.median(engine)),
-               "same_tokens": bool(same)}
+               "plain_prefill_s": float(np.median(plain_prefill)),
+               "engine_prefill_s": float(np.median(engine_prefill)), "same_tokens": bool(same)}
         row["ratio"] = row["engine_decode_s"] / row["plain_decode_s"]
+        row["prefill_ratio"] = row["engine_prefill_s"] / row["plain_prefill_s"]
         rows.append(row)
         md.append(f"| {batch} | {row['plain_decode_s']:.3f} | {row['engine_decode_s']:.3f} | {row['ratio']:.3f} | "
+                  f"{row['plain_prefill_s']:.3f} | {row['engine_prefill_s']:.3f} | {row['prefill_ratio']:.3f} | "
                   f"{'yes' if same else 'NO'} |")
         print(md[-1], flush=True)
     md.append(f"\nGreedy, {args.max_new_tokens} new tokens per row (no stop), eval-split gsm8k prompts, drafter "
               f"`{drafter}` (never run: the gate always picks plain steps); medians of {args.repeats} alternating "
-              "pairs after one warm-up pair, decode time only.\n")
+              "pairs after one warm-up pair.\n")
     paths = common.write_results(args.name, {"rows": rows, "drafter": drafter, "max_new_tokens": args.max_new_tokens,
                                              "repeats": args.repeats}, "\n".join(md))
     print("wrote", *paths)

@@ -294,3 +294,25 @@ def test_sps_profile_times_the_draft_with_the_verify(monkeypatch):
     calls.clear()
     profile_verify(TARGET, TCFG, dcfg, rows=2, gamma=4, max_len=32, model="m")
     assert all(out[0] is None for out in calls[0][1])
+
+
+def test_the_flat_prefill_gives_the_drafter_the_padded_prefill_s_context():
+    """The engine's prefill projects the drafter's context from the flattened prompt tokens only:
+    the same cache, at every prompt position, as projecting the right-padded rows."""
+    from dspark_jax.drafters.dspark import init_drafter_params
+    from dspark_jax.engine import drafting
+    from dspark_jax.engine.generate import flatten_prompts, pad_prompts, unflatten
+
+    dcfg, _ = drafter()
+    dparams = init_drafter_params(dcfg, jax.random.key(5), scale=0.5)
+    tokens, lengths, max_len = pad_prompts(TCFG, PROMPTS, 8)
+    flat = flatten_prompts(PROMPTS)
+    taps = jax.random.normal(jax.random.key(6), (flat.tokens.shape[0], len(dcfg.tap_layers) * TCFG.hidden_size))
+    args = (dparams, dcfg, TARGET, jax.numpy.asarray(tokens), jax.numpy.asarray(lengths, jax.numpy.int32))
+    padded = drafting.start(*args, unflatten(taps, flat, *tokens.shape), max_len, jax.numpy.float32).cache
+    flat_cache = drafting.start_flat(*args, flat, taps, max_len, jax.numpy.float32).cache
+    np.testing.assert_array_equal(flat_cache.lengths, lengths)
+    for row, n in enumerate(lengths):
+        np.testing.assert_allclose(flat_cache.k[:, row, :n], padded.k[:, row, :n], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(flat_cache.v[:, row, :n], padded.v[:, row, :n], rtol=1e-6, atol=1e-6)
+        assert np.abs(np.asarray(flat_cache.k[:, row, :n])).max() > 0

@@ -405,14 +405,31 @@ def append_context(dparams: dict, dcfg: DrafterConfig, cache: DrafterCache, ctx_
     row's new length (invisible, overwritten later); writes past max_len are dropped.
     """
     B, T, _ = ctx_features.shape
-    lcfg = dcfg.layer_config()
     positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    k, v = _write_context(dparams, dcfg, cache, ctx_features, jnp.arange(B)[:, None], positions)
+    return DrafterCache(k, v, cache.lengths + num_new.astype(jnp.int32))
+
+
+def context_from_flat(dparams: dict, dcfg: DrafterConfig, cache: DrafterCache, ctx_features: jax.Array,
+                      rows: jax.Array, positions: jax.Array, valid: jax.Array, lengths: jax.Array) -> DrafterCache:
+    """A prefill's context from its flattened prompt tokens: ctx_features [N, m*d] of token n at
+    (rows[n], positions[n]), valid [N] (False: padding, dropped), into an empty cache whose rows
+    then hold `lengths` tokens. Projects the N real tokens, not rows x the longest prompt."""
+    out_of_range = cache.k.shape[1]
+    k, v = _write_context(dparams, dcfg, cache, ctx_features[None], jnp.where(valid, rows, out_of_range)[None],
+                          positions[None])
+    return DrafterCache(k, v, lengths.astype(jnp.int32))
+
+
+def _write_context(dparams: dict, dcfg: DrafterConfig, cache: DrafterCache, ctx_features, rows, positions):
+    """The cache's K/V with every draft layer's keys/values of ctx_features [..., m*d] written at
+    (rows, positions) (broadcast to ctx_features' leading shape; out of range is dropped)."""
+    lcfg = dcfg.layer_config()
     h_ctx = fuse_context(dparams, dcfg, ctx_features)
     k_new, v_new = jax.vmap(lambda lp: _project_context(lp, lcfg, h_ctx, positions))(dparams["layers"])
-    rows = jnp.arange(B)[:, None]
     k = cache.k.at[:, rows, positions].set(k_new.astype(cache.k.dtype), mode="drop")
     v = cache.v.at[:, rows, positions].set(v_new.astype(cache.v.dtype), mode="drop")
-    return DrafterCache(k, v, cache.lengths + num_new.astype(jnp.int32))
+    return k, v
 
 
 @jax.tree_util.register_dataclass

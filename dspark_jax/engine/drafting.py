@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from dspark_jax.drafters import dspark, eagle3
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.models.config import ModelConfig
+from dspark_jax.engine.generate import unflatten
 from dspark_jax.engine.sampling import SamplingConfig
 
 
@@ -55,6 +56,18 @@ def start(dparams, dcfg: DrafterConfig, target_params, tokens, lengths, taps, ma
         return DraftState(cache, _taps_at(taps, lengths - 1))
     cache = dspark.append_context(dparams, dcfg, dspark.init_drafter_cache(dcfg, B, max_len, dtype=dtype), taps, lengths)
     return DraftState(cache, jnp.zeros((B, 0), taps.dtype))
+
+
+def start_flat(dparams, dcfg: DrafterConfig, target_params, tokens, lengths, flat, flat_taps, max_len: int,
+               dtype) -> DraftState:
+    """`start` from a flattened prefill: flat_taps [N, m*d] of the tokens of `flat` (a FlatPrompts).
+    DSpark / DFlash project only the N real tokens; Eagle3 runs its layers over the padded rows."""
+    if dcfg.kind == "eagle3":
+        taps = unflatten(flat_taps, flat, tokens.shape[0], tokens.shape[1])
+        return start(dparams, dcfg, target_params, tokens, lengths, taps, max_len, dtype)
+    cache = dspark.init_drafter_cache(dcfg, tokens.shape[0], max_len, dtype=dtype)
+    cache = dspark.context_from_flat(dparams, dcfg, cache, flat_taps, flat.rows, flat.positions, flat.valid, lengths)
+    return DraftState(cache, jnp.zeros((tokens.shape[0], 0), flat_taps.dtype))
 
 
 def propose(dparams, dcfg: DrafterConfig, target_params, tcfg: ModelConfig, state: DraftState, anchor, key,

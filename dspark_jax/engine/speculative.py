@@ -32,7 +32,7 @@ from dspark_jax.engine.acceptance import verify_greedy, verify_sampled
 from dspark_jax.engine.fallback import PlainStepGate
 from dspark_jax.engine.sps import SPSTable, pad_to_bucket
 from dspark_jax.engine.generate import (FlatPrompts, GenerationResult, compiled, continuous_batching,
-                                         flatten_prompts, pad_prompts, padded_as_flat, stop_mask, unflatten)
+                                         flatten_prompts, pad_prompts, padded_as_flat, stop_mask)
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.engine.sampling import SamplingConfig, processed_log_probs, sample
@@ -119,9 +119,11 @@ def spec_prefill(target_params, dparams, tokens, lengths, max_new, key, flat: Fl
     hidden, cache, taps = decoder.forward_flat(target_params, tcfg, flat.tokens, flat.rows, flat.positions, flat.valid,
                                                cache, dcfg.tap_layers, width=W, prefill=True)
     cache = dataclasses.replace(cache, lengths=lengths)
-    taps = unflatten(jnp.concatenate(list(taps), -1), flat, B, W)  # [B, W, m*d]
-    draft = drafting.start(dparams, dcfg, target_params, tokens, lengths, taps, max_len, jnp.dtype(tcfg.dtype))
-    last = jnp.take_along_axis(unflatten(hidden, flat, B, W), (lengths - 1)[:, None, None], axis=1)[:, 0]
+    draft = drafting.start_flat(dparams, dcfg, target_params, tokens, lengths, flat, jnp.concatenate(list(taps), -1),
+                                max_len, jnp.dtype(tcfg.dtype))
+    is_last = flat.valid & (flat.positions == lengths[flat.rows] - 1)  # each row's last prompt token
+    last = hidden[jnp.zeros((B,), jnp.int32).at[jnp.where(is_last, flat.rows, B)].set(
+        jnp.arange(flat.tokens.shape[0], dtype=jnp.int32), mode="drop")]
     key, sub = jax.random.split(key)
     first = sample(sub, decoder.logits(target_params, tcfg, last), cfg.sampling)
     output = jnp.zeros((B, int(max_len)), jnp.int32).at[:, 0].set(first)
