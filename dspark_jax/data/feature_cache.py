@@ -38,8 +38,9 @@ A build resumes: about every `checkpoint_every_s` seconds it syncs its partial f
 next to it (`<partial>.json`), how many examples and bytes are on disk for which cache (the
 `cache_spec`). A later build on the same host takes over the partial file of a build whose process
 is gone (killed, or stopped with Ctrl-C) if it was building this very cache and continues after
-its last record: the bytes are those of an uninterrupted build (the packing is deterministic). Other partial files of dead builds on this host are removed; a live build's file,
-or another host's, is left alone. Write errors (a full disk, an unwritable folder) are one-line
+its last record: the bytes are those of an uninterrupted build (the packing is deterministic).
+Other partial files of dead builds on this host are removed; a live build's file, or another
+host's, is left alone. Write errors (a full disk, an unwritable folder) are one-line
 UserErrors and remove the partial file. A build into an object store (gs://) is written whole at
 the end and does not resume.
 
@@ -290,8 +291,8 @@ def _read_progress(path: str) -> dict | None:
 def _take_over_dead_partials(out_dir: str, spec: dict, partial: str) -> tuple[int, int]:
     """Rename the furthest dead partial file of this very cache to `partial` (this build's name) and
     remove the other dead ones; (examples, bytes) it holds for sure, (0, 0) when none is usable."""
-    best, done = None, (0, 0)
-    for name in _dead_partials(out_dir):
+    best, done, dead = None, (0, 0), _dead_partials(out_dir)
+    for name in dead:
         record = _read_progress(os.path.join(out_dir, name + ".json"))
         try:
             usable = (record is not None and record.get("spec") == spec
@@ -301,7 +302,7 @@ def _take_over_dead_partials(out_dir: str, spec: dict, partial: str) -> tuple[in
             progress = None
         if progress is not None and progress[1] > done[1]:
             best, done = name, progress
-    for name in _dead_partials(out_dir):
+    for name in dead:
         if name == best:
             try:  # the rename claims it: a build racing for the same file gets FileNotFoundError
                 os.rename(os.path.join(out_dir, name), os.path.join(out_dir, partial))
