@@ -169,6 +169,30 @@ def test_a_bf16_run_caches_exactly_the_online_features(tmp_path):
     trainer.close()
 
 
+def test_feature_cache_dtype_builds_with_those_weights_and_is_checked(tmp_path):
+    """data.feature_cache_dtype=bfloat16 in a float32 run: the cache holds the features of the
+    target with bf16 weights (what `target_feature_inputs` gives for bfloat16), not the fp32 ones;
+    a run that expects other weights refuses it, in words."""
+    cfg = cached_config(tmp_path, compute_dtype="float32")
+    fast = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, feature_cache_dtype="bfloat16"))
+    trainer = Trainer(fast, tiny_target(), progress=False)
+    assert trainer.feature_cache.meta["compute_dtype"] == "bfloat16"
+    batch = next(trainer.data)
+    cached = trainer.host_batch(batch)
+    present = batch["segment_ids"] > 0
+    for dtype, close in (("bfloat16", True), ("float32", False)):
+        online = target_features(*target_feature_inputs(trainer.target_params, TARGET_CFG, dtype), batch,
+                                 trainer.dcfg.tap_layers)
+        want = np.asarray(online[0].astype(jnp.bfloat16)).astype(np.float32)[present]
+        mismatch = np.mean(cached["ctx_features"].astype(np.float32)[present] != want)
+        assert (mismatch < 0.02) == close, (dtype, mismatch)
+    trainer.close()
+    with pytest.raises(UserError, match="built with the target's weights in bfloat16, this run asks for float32 "
+                                        r"\(data.feature_cache_dtype"):
+        Trainer(cfg, tiny_target(), progress=False)
+    Trainer(fast, tiny_target(), progress=False).close()  # the same setting reopens it
+
+
 def test_the_cached_step_never_runs_the_target(tmp_path):
     """A cached train step with the target's layers poisoned (NaN) is the clean cached step: only
     the embedding and LM head, which the drafter shares, enter it."""

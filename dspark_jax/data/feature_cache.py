@@ -135,6 +135,9 @@ def _mismatch(key: str, there, here) -> str:
     """What differs, in words: `key` is <there> there, <here> here (or, for data of the same size,
     that the content differs)."""
     a, b = _describe(key, there), _describe(key, here)
+    if key == "compute_dtype":
+        return (f"it was built with the target's weights in {there}, this run asks for {here} "
+                f"(data.feature_cache_dtype, by default the run's compute dtype)")
     if key == "data" and a == b:
         try:
             hashed = all("content_blake2b" in f for f in there)

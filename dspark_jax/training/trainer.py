@@ -571,14 +571,16 @@ class Trainer:
         cfg, path = self.cfg, self.cfg.data.feature_cache
         expected = feature_cache.cache_spec(self.target.name, self.target.config, self.dcfg.tap_layers,
                                             feature_cache.data_fingerprint(self.train_source), cfg.data.seq_len)
+        weights_dtype = cfg.data.feature_cache_dtype or cfg.run.compute_dtype
+        expected["compute_dtype"] = weights_dtype
         if not feature_cache.is_complete(path):
             if jax.process_count() > 1:
                 raise UserError(f"no complete feature cache in {path}: build it with a single-process run "
                                 f"(it is one file for all processes), or train without data.feature_cache")
             print(f"building the feature cache of {cfg.data.train_dir} in {path} (once; later runs reuse it)",
                   file=sys.stderr, flush=True)
-            # exactly what the online path runs the target with (make_loss)
-            params, feature_cfg = target_feature_inputs(self.target_params, self.target.config, cfg.run.compute_dtype)
+            # what the online path runs the target with (make_loss), unless data.feature_cache_dtype says otherwise
+            params, feature_cfg = target_feature_inputs(self.target_params, self.target.config, weights_dtype)
             feature_cache.build_feature_cache(
                 params, feature_cfg, self.dcfg.tap_layers, self.train_source, cfg.data.seq_len, path,
                 rows=cfg.data.rows, progress=progress, target_name=self.target.name,
