@@ -1,6 +1,7 @@
-"""Our fp32 CPU kernels (models/cpu_kernels.py, cpu_kernels.cc): the few-row product (exact enough,
-bit-identical whatever the row count, with gradients) and the decode attention (equal to masked
-attention, windows and ragged rows included), each used where it should be and replaceable by XLA's ops."""
+"""Our CPU kernels (models/cpu_kernels.py, cpu_kernels.cc): the few-row product against fp32 or bf16
+weights (exact enough, bit-identical whatever the row count, with gradients) and the decode attention
+(equal to masked attention, windows and ragged rows included), each used where it should be and
+replaceable by XLA's ops."""
 
 import os
 import platform
@@ -39,9 +40,22 @@ def test_matches_a_float64_product(rows, K, N):
     np.testing.assert_allclose(y, exact, rtol=0, atol=2e-6 * np.sqrt(K) * np.abs(exact).max())
 
 
-def test_a_row_gets_the_same_bits_whatever_the_row_count():
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 32])
+@pytest.mark.parametrize("K,N", [(576, 960), (64, 49152), (100, 1001)])
+def test_bf16_weights_are_widened_exactly(rows, K, N):
+    """bf16 weights: the fp32 activations times the weights' exact bf16 values (not rounded
+    activations), accumulated in fp32."""
+    x, w = rand((rows, K), rows), rand((N, K), K + N).astype(jnp.bfloat16)
+    y = jax.jit(cpu_kernels.matmul_t)(x, w)
+    assert y.dtype == jnp.float32
+    exact = np.asarray(x, np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T
+    np.testing.assert_allclose(np.asarray(y), exact, rtol=0, atol=2e-6 * np.sqrt(K) * np.abs(exact).max())
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_row_gets_the_same_bits_whatever_the_row_count(dtype):
     # What makes a 1-token decode step and an 8-token verify pass agree exactly in the dense layers.
-    x, w = rand((32, 576), 3), rand((3075, 576), 4)
+    x, w = rand((32, 576), 3), rand((3075, 576), 4).astype(dtype)
     run = jax.jit(cpu_kernels.matmul_t)
     full = np.asarray(run(x, w))
     for rows in (1, 2, 3, 5, 8, 13):
@@ -57,19 +71,23 @@ def test_leading_axes_and_vmap():
     np.testing.assert_allclose(np.asarray(jax.vmap(cpu_kernels.matmul_t, (0, None))(x, w)), ref, atol=1e-4)
 
 
-def test_gradients_are_the_products():
-    x, w = rand((4, 64), 7), rand((24, 64), 8)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gradients_are_the_products(dtype):
+    x, w = rand((4, 64), 7), rand((24, 64), 8).astype(dtype)
     g = rand((4, 24), 9)
     dx, dw = jax.grad(lambda x, w: jnp.sum(cpu_kernels.matmul_t(x, w) * g), argnums=(0, 1))(x, w)
-    np.testing.assert_allclose(np.asarray(dx), np.asarray(g @ w), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(dw), np.asarray(g.T @ x), rtol=1e-5, atol=1e-5)
+    assert dx.dtype == jnp.float32 and dw.dtype == dtype
+    wide = w.astype(jnp.float32)
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(g @ wide), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dw, np.float32), np.asarray((g.T @ x).astype(dtype), np.float32),
+                               rtol=1e-5, atol=1e-5)
 
 
-def kernel_in(fn, *args) -> bool:
-    return cpu_kernels.TARGET in jax.jit(fn).lower(*args).as_text()
+def kernel_in(fn, *args, target=cpu_kernels.TARGET) -> bool:
+    return f"@{target}(" in jax.jit(fn).lower(*args).as_text()
 
 
-def test_weight_einsum_uses_it_for_few_rows_of_fp32_only():
+def test_weight_einsum_uses_it_for_few_rows():
     if not cpu_kernels.usable(rand((1, 64), 0), rand((8, 64), 1)):
         pytest.skip("the kernel is not available on this machine")
     w = rand((48, 64), 10)
@@ -78,8 +96,12 @@ def test_weight_einsum_uses_it_for_few_rows_of_fp32_only():
     assert kernel_in(lambda x, w: decoder.weight_einsum("...d,vd->...v", x, w, jnp.float32), few, w)
     assert not kernel_in(lambda x, w: decoder.weight_einsum("...i,oi->...o", x, w), many, w)  # a prefill: XLA's GEMM
     assert not kernel_in(lambda x, w: decoder.weight_einsum("...i,io->...o", x, w), few, w.T)  # [in, out]: XLA's dot
-    wb = w.astype(jnp.bfloat16)
-    assert not kernel_in(lambda x, w: decoder.weight_einsum("...i,oi->...o", x, w), few, wb)  # bf16 weights: AMX path
+    wb = w.astype(jnp.bfloat16)  # bf16 weights: the kernel's widening variant, XLA's bf16 product past 32 rows
+    assert kernel_in(lambda x, w: decoder.weight_einsum("...i,oi->...o", x, w), few, wb,
+                     target=cpu_kernels.BF16_WEIGHTS_TARGET)
+    assert not kernel_in(lambda x, w: decoder.weight_einsum("...i,oi->...o", x, w), few, wb)
+    assert not kernel_in(lambda x, w: decoder.weight_einsum("...i,oi->...o", x, w), many, wb,
+                         target=cpu_kernels.BF16_WEIGHTS_TARGET)
     y = decoder.weight_einsum("...i,oi->...o", few, w)
     np.testing.assert_allclose(np.asarray(y), np.asarray(jnp.einsum("...i,oi->...o", few, w)), atol=1e-5)
 
@@ -174,6 +196,10 @@ def test_the_avx2_build_computes_the_same_products(tmp_path):
             "    exact = x.astype(np.float64) @ w.T.astype(np.float64)\n"
             "    assert np.abs(y - exact).max() <= 2e-6 * np.sqrt(K) * np.abs(exact).max(), (rows, K, N)\n"
             "    assert np.array_equal(np.asarray(cpu_kernels.matmul_t(jnp.asarray(x[:1]), jnp.asarray(w))), y[:1])\n"
+            "    wb = jnp.asarray(w).astype(jnp.bfloat16)\n"
+            "    yb = np.asarray(jax.jit(cpu_kernels.matmul_t)(jnp.asarray(x), wb))\n"
+            "    exact = x.astype(np.float64) @ np.asarray(wb.astype(jnp.float32), np.float64).T\n"
+            "    assert np.abs(yb - exact).max() <= 2e-6 * np.sqrt(K) * np.abs(exact).max(), ('bf16', rows, K, N)\n"
             "print('ok')")
     env = {**os.environ, "DSPARK_KERNEL_CACHE": str(tmp_path / "k"), "DSPARK_KERNEL_MARCH": "haswell",
            "JAX_PLATFORMS": "cpu"}

@@ -47,7 +47,8 @@ def test_base_logits_are_the_target_head_on_the_draft_vocabulary(precomputed):
         assert dparams["draft_head"].shape == (len(VOCAB), TCFG.hidden_size)
     hidden = jax.random.normal(jax.random.key(0), (3, 5, TCFG.hidden_size))
     got = np.asarray(dspark.base_logits(dparams, dcfg, TARGET, TCFG, hidden))
-    full = np.asarray(dspark.base_logits(dparams, dcfg.replace(draft_vocab_size=0, draft_vocab=()), TARGET, TCFG,
+    whole = {k: v for k, v in dparams.items() if k != "draft_head"}  # the rows belong to the draft vocabulary
+    full = np.asarray(dspark.base_logits(whole, dcfg.replace(draft_vocab_size=0, draft_vocab=()), TARGET, TCFG,
                                          hidden))
     inside = np.isin(np.arange(32), VOCAB)
     np.testing.assert_allclose(got[..., inside], full[..., inside], rtol=1e-6, atol=1e-6)

@@ -91,3 +91,27 @@ def test_calibrations_per_decoding_temperature(tmp_path):
     json.dump(meta, open(os.path.join(path, "drafter.json"), "w"))
     with pytest.raises(UserError, match="corrupt sts_by_temperature"):
         load_drafter(path)
+
+
+@pytest.mark.parametrize("stored,target_dtype,want", [("float32", "float32", "float32"),
+                                                      ("bfloat16", "float32", "bfloat16"),
+                                                      ("float32", "bfloat16", "bfloat16")])
+def test_a_drafter_decodes_in_the_narrower_of_its_storage_and_the_target_dtype(tmp_path, stored, target_dtype, want):
+    """A bf16-stored drafter decodes in bf16 beside an fp32 target (its exact values, half the bytes
+    per pass), in the decoding layout, with the bf16 copy of the target's head; fp32 stays fp32."""
+    import types
+
+    import jax.numpy as jnp
+
+    from dspark_jax.models import decoder
+
+    path = str(tmp_path / "d")
+    save_drafter(path, DCFG, jax.device_get(init_drafter_params(DCFG, jax.random.key(0))), dtype=stored)
+    loaded = load_drafter(path, TARGET, "tiny")
+    target_params = jax.tree.map(lambda a: a.astype(target_dtype), decoder.init_params(TARGET, jax.random.key(1)))
+    target = types.SimpleNamespace(weight_dtype=target_dtype, params=target_params, config=TARGET)
+    assert loaded.decoding_dtype(target) == want
+    params = loaded.decoding_params(target)
+    assert {a.dtype for a in jax.tree.leaves(params)} == {jnp.dtype(want)}
+    assert decoder.layout_of(params) == decoder.default_layout()
+    assert ("draft_head" in params) == (want == "bfloat16" and target_dtype == "float32")

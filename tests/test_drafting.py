@@ -92,3 +92,54 @@ def test_engine_prefill_gives_the_drafter_the_prompt_context(kind):
         ref = drafting.propose(dparams, dcfg, TARGET, TCFG, want, state.anchor, key, SamplingConfig(), G)
         np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
         np.testing.assert_allclose(np.asarray(got.log_probs), np.asarray(ref.log_probs), atol=1e-4)
+
+
+@pytest.mark.parametrize("head", ["markov", "rnn", "none"])
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=1.0)])
+def test_the_decoding_layout_drafts_what_the_trained_params_draft(head, sampling):
+    """`dspark.decoding_layout` (per-layer layers, fc_t, Markov w2_t: what decoding reads on a CPU)
+    is the same function: the same context, drafts and distributions as the params as trained, and
+    in bf16 the same as the bf16-rounded params in fp32 (the kernel widens them exactly)."""
+    from dspark_jax.drafters import dspark
+
+    dcfg = DrafterConfig(kind="dspark", block_size=4, head=head, markov_rank=8, mask_token_id=47,
+                         confidence=head != "none", **{**COMMON, "num_layers": 2})
+    trained = init_drafter_params(dcfg, jax.random.key(1), scale=0.3)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(1, 48, size=(2, 12)), jnp.int32)
+    lengths = jnp.array([12, 7], jnp.int32)
+    _, taps = prefill(tokens, lengths)
+    rounded = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), trained)
+    for reference, dtype in ((trained, jnp.float32), (rounded, jnp.bfloat16)):
+        decoding = dspark.decoding_layout(reference, dcfg, dtype)
+        if jax.default_backend() == "cpu":
+            assert decoder.layout_of(decoding) == "per_layer" and "fc_t" in decoding
+        assert all(a.dtype == dtype for a in jax.tree.leaves(decoding))
+        drafts = []
+        for params in (reference, decoding):
+            state = drafting.start(params, dcfg, TARGET, tokens, lengths, taps, MAX_LEN, jnp.float32)
+            drafts.append((state, drafting.propose(params, dcfg, TARGET, TCFG, state, tokens[:, 0], jax.random.key(3),
+                                                   sampling, G)))
+        (s_ref, d_ref), (s_dec, d_dec) = drafts
+        np.testing.assert_allclose(np.asarray(s_dec.cache.k), np.asarray(s_ref.cache.k), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(s_dec.cache.v), np.asarray(s_ref.cache.v), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(d_dec.tokens), np.asarray(d_ref.tokens))
+        np.testing.assert_allclose(np.asarray(d_dec.log_probs), np.asarray(d_ref.log_probs), atol=1e-4)
+        if dcfg.confidence:
+            np.testing.assert_allclose(np.asarray(d_dec.confidence_logits), np.asarray(d_ref.confidence_logits),
+                                       atol=1e-4)
+
+
+def test_a_bf16_drafter_beside_an_fp32_target_reads_a_bf16_copy_of_the_head():
+    """The full-vocabulary LM head in the drafter's dtype when that is narrower than the target's
+    (half the bytes per pass), scored as the bf16-rounded head; none when it is not narrower."""
+    from dspark_jax.drafters import dspark
+
+    dcfg, trained = DRAFTERS["dspark"]()
+    assert "draft_head" not in dspark.with_draft_head(trained, dcfg, TARGET, TCFG)
+    bf16 = dspark.with_draft_head(dspark.decoding_layout(trained, dcfg, jnp.bfloat16), dcfg, TARGET, TCFG)
+    head = bf16["draft_head"]
+    full = TARGET["embed"] if TCFG.tie_word_embeddings else TARGET["lm_head"].T
+    assert head.dtype == jnp.bfloat16 and head.shape == full.shape
+    hidden = jnp.asarray(np.random.default_rng(4).standard_normal((3, TCFG.hidden_size)), jnp.float32)
+    want = np.asarray(hidden, np.float64) @ np.asarray(full.astype(jnp.bfloat16).astype(jnp.float32), np.float64).T
+    np.testing.assert_allclose(np.asarray(dspark.base_logits(bf16, dcfg, TARGET, TCFG, hidden)), want, atol=1e-4)

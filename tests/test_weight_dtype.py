@@ -1,12 +1,14 @@
 """bf16 weights with fp32 activations (`--dtype bfloat16` on a CPU): every product against a weight
-runs in bf16 and accumulates in fp32 (`decoder.weight_einsum`), the rest of the model stays fp32."""
+accumulates in fp32 (`decoder.weight_einsum`), the rest of the model stays fp32. Products of up to
+32 rows against a weight stored [out, in] run our CPU kernel, which widens the bf16 weights and keeps
+the activations fp32; the others run in bf16 (the activations rounded to bf16 at the product)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.models import decoder
+from dspark_jax.models import cpu_kernels, decoder
 from dspark_jax.models.config import ModelConfig
 
 CFG = ModelConfig(family="llama", vocab_size=101, hidden_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -18,8 +20,9 @@ def rounded(a):
 
 
 @pytest.mark.parametrize("spec,x_shape,w_shape", [
-    ("...i,oi->...o", (1, 1, 40), (24, 40)),  # one row: computed as two on a CPU
+    ("...i,oi->...o", (1, 1, 40), (24, 40)),  # one row: the kernel, or computed as two without it
     ("...i,oi->...o", (3, 5, 40), (24, 40)),
+    ("...i,oi->...o", (3, 11, 40), (24, 40)),  # 33 rows: past the kernel's, XLA's bf16 product
     ("...i,io->...o", (1, 40), (40, 24)),
     ("...r,rv->...v", (2, 16), (16, 300)),
     ("...i,i->...", (1, 40), (40,)),  # the confidence head's vector
@@ -30,7 +33,9 @@ def test_weight_einsum_is_the_bf16_product_accumulated_in_fp32(spec, x_shape, w_
     w = jnp.asarray(rng.standard_normal(w_shape), jnp.bfloat16)
     got = decoder.weight_einsum(spec, x, w)
     assert got.dtype == jnp.float32 and got.shape == np.einsum(spec, np.asarray(x), np.asarray(w, np.float32)).shape
-    want = np.einsum(spec, rounded(x), rounded(w))  # the inputs rounded to bf16, exact products
+    kernel = spec in decoder._ROWS_OF_W and cpu_kernels.usable(x, w)
+    # exact products of the bf16 weights with the activations: fp32 in the kernel, else rounded to bf16
+    want = np.einsum(spec, np.asarray(x, np.float64) if kernel else rounded(x), rounded(w))
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     same = decoder.weight_einsum(spec, x, w.astype(jnp.float32))  # equal dtypes: a plain fp32 product
     np.testing.assert_allclose(np.asarray(same), np.einsum(spec, np.asarray(x, np.float64), rounded(w)),

@@ -89,17 +89,27 @@ class LoadedDrafter:
         at = self.calibrated_at(temperature)
         return self.sts_temperatures if at is None else self.sts_by_temperature[at]
 
+    def decoding_dtype(self, target) -> str:
+        """The dtype a DSpark drafter decodes in: bfloat16 when its weights are stored so (their exact
+        values at half the bytes a pass streams) or the target's are, else float32. Eagle3: the
+        target's weight dtype."""
+        if self.config.kind != "dspark":
+            return target.weight_dtype
+        return "bfloat16" if "bfloat16" in (self.storage_dtype, target.weight_dtype) else target.weight_dtype
+
     def decoding_params(self, target) -> dict:
-        """The params to decode with beside `target` (a registry Target): in the target's weight
-        dtype, plus the frozen LM-head rows of a draft vocabulary (`dspark.with_draft_head`)."""
+        """The params to decode with beside `target` (a registry Target): in `decoding_dtype`, a DSpark
+        drafter's in its decoding layout (`dspark.decoding_layout`), plus the frozen LM-head rows of a
+        draft vocabulary (`dspark.with_draft_head`)."""
         import jax
         import jax.numpy as jnp
 
-        params = jax.tree.map(lambda a: jnp.asarray(a, target.weight_dtype), self.params)
+        dtype = self.decoding_dtype(target)
         if self.config.kind != "dspark":
-            return params
-        from dspark_jax.drafters.dspark import with_draft_head
+            return jax.tree.map(lambda a: jnp.asarray(a, dtype), self.params)
+        from dspark_jax.drafters.dspark import decoding_layout, with_draft_head
 
+        params = decoding_layout(self.params, self.config, dtype)
         return with_draft_head(params, self.config, target.params, target.config)
 
 

@@ -139,12 +139,35 @@ def init_drafter_params(dcfg: DrafterConfig, key: jax.Array, scale: float = 0.02
 def activations(dparams: dict):
     """The drafter's activation dtype: its weights' (`fc`), widened as the target's are
     (`decoder.activation_dtype`)."""
-    return jnp.dtype(decoder.activation_dtype(dparams["fc"].dtype))
+    return jnp.dtype(decoder.activation_dtype(_weight_dtype(dparams)))
+
+
+def _weight_dtype(dparams: dict):
+    return (dparams["fc"] if "fc" in dparams else dparams["fc_t"]).dtype
+
+
+def decoding_layout(dparams: dict, dcfg: DrafterConfig, dtype) -> dict:
+    """The params as decoding reads them fastest on this backend: in `dtype`, and on a CPU with
+    every matrix stored [out, in] (the draft layers in the decoder's per-layer layout, `fc_t`,
+    Markov `w2_t`, RNN `w_t`), so that the pass's few-row products stream each weight once through the
+    CPU kernel (`cpu_kernels`), bf16 weights at half the bytes. The same function of the input."""
+    params = jax.tree.map(lambda a: jnp.asarray(a, dtype), dparams)
+    layout = decoder.default_layout()
+    params = decoder.with_layout(params, dcfg.layer_config(), layout)
+    if layout != "per_layer":
+        return params
+    params = {**params, "fc_t": params["fc"].T}
+    del params["fc"]
+    if "markov" in params:
+        params["markov"] = {"w1": params["markov"]["w1"], "w2_t": params["markov"]["w2"].T}
+    if "rnn" in params:
+        params["rnn"] = {"w_t": params["rnn"]["w"].T, "b": params["rnn"]["b"]}
+    return params
 
 
 def fuse_context(dparams: dict, dcfg: DrafterConfig, ctx_features: jax.Array) -> jax.Array:
     """H_ctx = RMSNorm(fc([taps])): [..., m*d] -> [..., d]."""
-    h = decoder.weight_einsum("...i,io->...o", ctx_features.astype(activations(dparams)), dparams["fc"])
+    h = decoder.linear(dparams, "fc", ctx_features.astype(activations(dparams)))
     return decoder.rms_norm(h, dparams["hidden_norm"], dcfg.rms_norm_eps)
 
 
@@ -219,13 +242,28 @@ def draft_head(target_params: dict, target_cfg: ModelConfig, dcfg: DrafterConfig
     return jnp.take(jnp.asarray(target_params["lm_head"]), ids, axis=1).T
 
 
+def _target_head(target_params: dict, target_cfg: ModelConfig) -> jax.Array:
+    """The target's whole LM head as [V, d] (rows contiguous)."""
+    if target_cfg.tie_word_embeddings:
+        return jnp.asarray(target_params["embed"])
+    return jnp.asarray(target_params["lm_head"]).T
+
+
 def with_draft_head(dparams: dict, dcfg: DrafterConfig, target_params: dict, target_cfg: ModelConfig) -> dict:
-    """dparams plus "draft_head" when the drafter has a draft vocabulary: decoding then streams N
-    rows of the LM head per pass instead of gathering them (which would cost more than it saves)."""
-    if not dcfg.draft_vocab_size:
-        return dparams
-    _check_draft_vocab(dcfg)
-    return {**dparams, "draft_head": jax.jit(draft_head, static_argnums=(1, 2))(target_params, target_cfg, dcfg)}
+    """dparams plus "draft_head", a frozen copy of the LM-head rows the drafter scores, in the
+    drafter's weight dtype, when decoding reads it faster than the target's head: the N rows of a
+    draft vocabulary (streamed, not gathered every pass, which would cost more than it saves), or
+    the whole head when the drafter's dtype is narrower than the target's (a bf16 drafter beside an
+    fp32 target streams half the bytes; its logits then come from the bf16-rounded head)."""
+    dtype = _weight_dtype(dparams)
+    if dcfg.draft_vocab_size:
+        _check_draft_vocab(dcfg)
+        head = jax.jit(draft_head, static_argnums=(1, 2))(target_params, target_cfg, dcfg)
+    else:
+        head = _target_head(target_params, target_cfg)
+        if jnp.dtype(head.dtype).itemsize <= jnp.dtype(dtype).itemsize:
+            return dparams  # the target's own head is as cheap to read
+    return {**dparams, "draft_head": head.astype(dtype)}
 
 
 def _check_draft_vocab(dcfg: DrafterConfig) -> None:
@@ -239,6 +277,8 @@ def base_logits(dparams: dict, dcfg: DrafterConfig, target_params: dict, target_
     """The drafter's base logits U [..., V] in fp32: the target's LM head, over the draft
     vocabulary only when it has one (-inf elsewhere: those tokens are never drafted)."""
     if not dcfg.draft_vocab_size:
+        if "draft_head" in dparams:
+            return decoder.weight_einsum("...d,vd->...v", hidden, dparams["draft_head"], jnp.float32)
         return decoder.logits(target_params, target_cfg, hidden)
     _check_draft_vocab(dcfg)
     head = dparams["draft_head"] if "draft_head" in dparams else draft_head(target_params, target_cfg, dcfg)
@@ -266,8 +306,7 @@ def _head_step(dparams: dict, dcfg: DrafterConfig, state: jax.Array, prev: jax.A
     e = _markov_embedding(dparams, prev)
     if dcfg.head == "markov":
         return state, e
-    z = decoder.weight_einsum("...i,io->...o", jnp.concatenate([state, e, h.astype(e.dtype)], axis=-1),
-                              dparams["rnn"]["w"]) + dparams["rnn"]["b"]
+    z = decoder.linear(dparams["rnn"], "w", jnp.concatenate([state, e, h.astype(e.dtype)], axis=-1)) + dparams["rnn"]["b"]
     gate, candidate, output = jnp.split(z, 3, axis=-1)
     gate = jax.nn.sigmoid(gate)
     return gate * state + (1.0 - gate) * jnp.tanh(candidate), jnp.tanh(output)
@@ -276,7 +315,10 @@ def _head_step(dparams: dict, dcfg: DrafterConfig, state: jax.Array, prev: jax.A
 def _head_bias(dparams: dict, latent: jax.Array | None) -> jax.Array | float:
     if latent is None:
         return 0.0
-    return decoder.weight_einsum("...r,rv->...v", latent, dparams["markov"]["w2"], jnp.float32)
+    markov = dparams["markov"]
+    if "w2_t" in markov:  # the decoding layout (`decoding_layout`): [V, r], rows contiguous
+        return decoder.weight_einsum("...i,oi->...o", latent, markov["w2_t"], jnp.float32)
+    return decoder.weight_einsum("...r,rv->...v", latent, markov["w2"], jnp.float32)
 
 
 def _initial_state(dparams: dict, dcfg: DrafterConfig, lead_shape) -> jax.Array:
@@ -289,7 +331,8 @@ def _confidence_logits(dparams: dict, dcfg: DrafterConfig, h: jax.Array, prev: j
     if confidence_input_size(dcfg) > dcfg.hidden_size:
         feats = jnp.concatenate([h, _markov_embedding(dparams, prev).astype(h.dtype)], axis=-1)
     w, b = dparams["confidence"]["w"], dparams["confidence"]["b"]
-    return decoder.weight_einsum("...i,i->...", feats, w, jnp.float32) + b.astype(jnp.float32)
+    # one vector: widened to the features' dtype, the product is exact for bf16 weights at no cost
+    return decoder.weight_einsum("...i,i->...", feats, w.astype(feats.dtype), jnp.float32) + b.astype(jnp.float32)
 
 
 def _teacher_forced_bias(dparams, dcfg, hidden, prev):
@@ -426,7 +469,11 @@ def _write_context(dparams: dict, dcfg: DrafterConfig, cache: DrafterCache, ctx_
     (rows, positions) (broadcast to ctx_features' leading shape; out of range is dropped)."""
     lcfg = dcfg.layer_config()
     h_ctx = fuse_context(dparams, dcfg, ctx_features)
-    k_new, v_new = jax.vmap(lambda lp: _project_context(lp, lcfg, h_ctx, positions))(dparams["layers"])
+    if decoder.layout_of(dparams) == "per_layer":
+        k_new, v_new = (jnp.stack(a) for a in zip(*(_project_context(lp, lcfg, h_ctx, positions)
+                                                      for lp in dparams["layers"])))
+    else:
+        k_new, v_new = jax.vmap(lambda lp: _project_context(lp, lcfg, h_ctx, positions))(dparams["layers"])
     k = cache.k.at[:, rows, positions].set(k_new.astype(cache.k.dtype), mode="drop")
     v = cache.v.at[:, rows, positions].set(v_new.astype(cache.v.dtype), mode="drop")
     return k, v
@@ -477,7 +524,7 @@ def propose(dparams: dict, dcfg: DrafterConfig, target_params: dict, target_cfg:
     forced = None if teacher_tokens is None else jnp.moveaxis(teacher_tokens.astype(jnp.int32), -1, 0)
     xs = (jnp.moveaxis(base, 1, 0), jnp.moveaxis(hidden, 1, 0), jax.random.split(key, g), forced)
     carry = (_initial_state(dparams, dcfg, (B,)), anchors)
-    _, (tokens, log_probs, logits, conf) = jax.lax.scan(step, carry, xs)
+    _, (tokens, log_probs, logits, conf) = jax.lax.scan(step, carry, xs, unroll=True)
     slots_second = lambda a: None if a is None else jnp.moveaxis(a, 0, 1)  # noqa: E731
     return Proposal(tokens=slots_second(tokens), log_probs=slots_second(log_probs),
                     logits=slots_second(logits), confidence_logits=slots_second(conf), hidden=hidden)

@@ -142,13 +142,17 @@ def sps_table(args, target, dcfg, dparams, gamma, max_len, buckets):
     The cache length matters: attention over a batch runs over the whole cache, so on a small
     target it is a large part of a round (a table profiled at 512 positions overstates what extra
     verify tokens cost at 256)."""
+    import jax
+    import jax.numpy as jnp
+
     from dspark_jax.engine.speculative import profile_verify
     from dspark_jax.engine.sps import SPSTable, device_kind, load_sps_table, save_sps_table
     from dspark_jax.models import cpu_kernels, decoder
 
     # The draft cost is part of a round: the table belongs to the drafter's shape as well as the target's.
     # So do the decoder's layer layout, its weights' dtype and what runs the products: their costs differ.
-    drafter = f"{dcfg.kind}-{dcfg.num_layers}L-{dcfg.head}-d{dcfg.hidden_size}"
+    drafter = f"{dcfg.kind}-{dcfg.num_layers}L-{dcfg.head}-d{dcfg.hidden_size}-{decoder.layout_of(dparams)}"
+    drafter += "".join(sorted({f"_{a.dtype}" for a in jax.tree.leaves(dparams) if a.dtype != jnp.float32}))
     layout = decoder.layout_of(target.params)
     weights = "" if target.weight_dtype == "float32" else f"_{target.weight_dtype}"
     # fp32 verify passes through our CPU kernel cost about half what they cost through XLA's dot.

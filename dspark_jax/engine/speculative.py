@@ -138,7 +138,7 @@ class Drafted:
     """A round's draft and schedule, before verification."""
 
     tokens: jax.Array  # [B, g] draft tokens x_1..x_g
-    log_probs: jax.Array  # [B, g, V] processed draft distributions
+    log_probs: jax.Array | None  # [B, g, V] processed draft distributions (None when greedy: unused)
     confidence_logits: jax.Array  # [B, g] raw (zeros without a confidence head)
     num_draft: jax.Array  # [B] draft tokens to verify (0 for inactive rows)
     sched: S.AsyncSchedulerState
@@ -155,7 +155,10 @@ def draft_and_schedule(target_params, dparams, state: SpecState, temperatures, *
     conf = proposal.confidence_logits
     num_draft, sched = schedule(cfg, conf, temperatures, active, state.sched)
     conf = jnp.zeros(proposal.tokens.shape, jnp.float32) if conf is None else conf.astype(jnp.float32)
-    return Drafted(proposal.tokens, proposal.log_probs, conf, num_draft, sched, key, k_verify)
+    # Greedy verification compares tokens only: without the V-wide distributions as an output, jit
+    # drops their computation from the draft pass (a log-softmax over the vocabulary per slot).
+    log_probs = None if cfg.sampling.greedy else proposal.log_probs
+    return Drafted(proposal.tokens, log_probs, conf, num_draft, sched, key, k_verify)
 
 
 def _target_pass(target_params, *, tcfg: ModelConfig, tap_layers, cache: decoder.KVCache, verify_tokens, num_new,

@@ -1,6 +1,8 @@
 // XLA:CPU FFI custom calls for decode steps, verify passes and drafter passes in fp32, built on first
 // use by dspark_jax/models/cpu_kernels.py with -O3 -march=native:
-// * dspark_matmul_f32: y[M, N] = x[M, K] . w[N, K]^T for few rows M;
+// * dspark_matmul_f32: y[M, N] = x[M, K] . w[N, K]^T for few rows M, and dspark_matmul_bf16w: the
+//   same with w stored as bf16 (widened to fp32 exactly as it is loaded, x and y fp32): half the bytes
+//   streamed, the same reduction order;
 // * dspark_decode_attention_f32: a few new tokens' attention over the KV cache (further below).
 //
 // Why the product: XLA:CPU's dot (and every library it calls) costs about twice a matrix-vector product once
@@ -33,12 +35,20 @@ static inline vf vzero() { return _mm512_setzero_ps(); }
 static inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+static inline vf vload(const uint16_t* p) {  // VW bf16 -> fp32: the bits shifted into the high half
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 typedef __m256 vf;
 constexpr int VW = 8, NB = 2, MB = 4;  // 8 + 2 + 1 of 16 registers
 static inline vf vzero() { return _mm256_setzero_ps(); }
 static inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vload(const uint16_t* p) {
+  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
 static inline float vsum(vf v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -58,16 +68,24 @@ extern "C" int dspark_matmul_vector_width() {
 
 #ifndef DSPARK_NO_VECTOR_KERNEL
 
-// Rows m0..m0+MR of y for weight rows n0..n0+NB.
-template <int MR>
-static inline void block(const float* __restrict x, const float* __restrict w, float* __restrict y, int64_t K,
+static inline float widen(float v) { return v; }
+static inline float widen(uint16_t bits) {
+  uint32_t u = uint32_t{bits} << 16;
+  float f;
+  __builtin_memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Rows m0..m0+MR of y for weight rows n0..n0+NB; W: float, or uint16_t holding bf16 bits.
+template <int MR, class W>
+static inline void block(const float* __restrict x, const W* __restrict w, float* __restrict y, int64_t K,
                          int64_t N, int64_t n0, int64_t m0) {
   vf acc[NB][MR];
 #pragma GCC unroll 16
   for (int j = 0; j < NB; ++j)
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) acc[j][i] = vzero();
-  const float* wr = w + n0 * K;
+  const W* wr = w + n0 * K;
   const float* xr = x + m0 * K;
   int64_t k = 0;
   for (; k + VW <= K; k += VW) {
@@ -87,13 +105,14 @@ static inline void block(const float* __restrict x, const float* __restrict w, f
   for (int j = 0; j < NB; ++j)
     for (int i = 0; i < MR; ++i) {
       float s = vsum(acc[j][i]);
-      for (int64_t t = k; t < K; ++t) s += wr[j * K + t] * xr[i * K + t];
+      for (int64_t t = k; t < K; ++t) s += widen(wr[j * K + t]) * xr[i * K + t];
       y[(m0 + i) * N + n0 + j] = s;
     }
 }
 
 // Weight rows [lo, hi) for all M rows of x.
-static void rows_range(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t lo,
+template <class W>
+static void rows_range(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t lo,
                        int64_t hi) {
   int64_t n0 = lo;
   for (; n0 + NB <= hi; n0 += NB) {
@@ -109,7 +128,7 @@ static void rows_range(const float* x, const float* w, float* y, int64_t M, int6
   for (int64_t n = n0; n < hi; ++n)  // fewer than NB rows left (only at the very end of w)
     for (int64_t m = 0; m < M; ++m) {
       float s = 0.f;
-      for (int64_t t = 0; t < K; ++t) s += w[n * K + t] * x[m * K + t];
+      for (int64_t t = 0; t < K; ++t) s += widen(w[n * K + t]) * x[m * K + t];
       y[m * N + n] = s;
     }
 }
@@ -138,18 +157,20 @@ static void parallel_for(ffi::ThreadPool& pool, int64_t tasks, F fn) {
   while (shared->done.load(std::memory_order_acquire) < tasks) _mm_pause();
 }
 
-static ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+template <ffi::DataType WT>
+static ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
                          ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) return ffi::Error::InvalidArgument("x [M, K], w [N, K]");
   const int64_t M = xd[0], K = xd[1], N = wd[0];
   const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
+  const auto* wp = w.typed_data();  // float, or uint16_t (bf16 bits)
   float* yp = y->typed_data();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // ~4 chunks per thread (balance), each at least 64 KiB of weights (a task's cost over its scheduling).
-  const int64_t min_rows = std::max<int64_t>(NB, (int64_t{16384} / std::max<int64_t>(K, 1) + NB - 1) / NB * NB);
+  const int64_t min_rows = std::max<int64_t>(
+      NB, (int64_t{65536} / int64_t(sizeof *wp) / std::max<int64_t>(K, 1) + NB - 1) / NB * NB);
   int64_t chunk = (N + 4 * threads - 1) / (4 * threads);
   chunk = std::max(min_rows, (chunk + NB - 1) / NB * NB);
   parallel_for(pool, (N + chunk - 1) / chunk,
@@ -157,20 +178,26 @@ static ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   return ffi::Error::Success();
 }
 
-#else  // no vector unit we know: never called (dspark_matmul_vector_width() == 0), defined for the symbol
+#else  // no vector unit we know: never called (dspark_matmul_vector_width() == 0), defined for the symbols
 
-static ffi::Error Matmul(ffi::ThreadPool, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>, ffi::ResultBuffer<ffi::F32>) {
-  return ffi::Error(ffi::ErrorCode::kUnimplemented, "dspark_matmul_f32 was built without AVX2/AVX-512");
+template <ffi::DataType WT>
+static ffi::Error Matmul(ffi::ThreadPool, ffi::Buffer<ffi::F32>, ffi::Buffer<WT>, ffi::ResultBuffer<ffi::F32>) {
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, "dspark_matmul was built without AVX2/AVX-512");
 }
 
 #endif
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(dspark_matmul_f32, Matmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// y fp32 = x fp32 . w^T, w of type WT: one handler symbol per weight type.
+#define DSPARK_MATMUL_HANDLER(name, WT)                                                                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, Matmul<WT>,                                                        \
+                                ffi::Ffi::Bind()                                                         \
+                                    .Ctx<ffi::ThreadPool>()                                              \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                        \
+                                    .Arg<ffi::Buffer<WT>>()                                              \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+
+DSPARK_MATMUL_HANDLER(dspark_matmul_f32, ffi::F32)
+DSPARK_MATMUL_HANDLER(dspark_matmul_bf16w, ffi::BF16)
 
 // ---------------------------------------------------------------------------------------------
 // Attention of a few new tokens per row over a KV cache (decode steps and verify passes):

@@ -1,7 +1,8 @@
 """Our own XLA:CPU kernels (`cpu_kernels.cc`, FFI custom calls) for the two things a decode step or a
 verify pass does with few new tokens, in fp32:
 
-* `matmul_t(x, w) = x @ w.T` against a weight stored [out, in];
+* `matmul_t(x, w) = x @ w.T` against a weight stored [out, in], fp32 or bf16 (widened exactly as it
+  is read: the product of the fp32 activations with the bf16 weights' values, for half the bytes);
 * `decode_attention`: the new tokens' attention over the KV cache, reading only the keys each row
   can see.
 
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 
 _SOURCE = "cpu_kernels.cc"
 TARGET = "dspark_matmul_f32"
+BF16_WEIGHTS_TARGET = "dspark_matmul_bf16w"
 ATTENTION_TARGET = "dspark_decode_attention_f32"
 MAX_ROWS = 32  # beyond this XLA's blocked GEMMs win (a prefill); measured equal at 32 rows
 MAX_NEW_TOKENS = 16  # attention: decode steps and verify passes (a prefill keeps XLA's)
@@ -108,6 +110,8 @@ def _library() -> dict:
         found = {"matmul": lib.dspark_matmul_vector_width() > 0, "attention": lib.dspark_attention_available() > 0}
         if found["matmul"]:
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.dspark_matmul_f32), platform="cpu")
+            jax.ffi.register_ffi_target(BF16_WEIGHTS_TARGET, jax.ffi.pycapsule(lib.dspark_matmul_bf16w),
+                                        platform="cpu")
         if found["attention"]:
             jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.dspark_decode_attention_f32),
                                         platform="cpu")
@@ -123,15 +127,18 @@ def active(kernel: str = "matmul") -> bool:
 
 
 def usable(x: jax.Array, w: jax.Array) -> bool:
-    """Whether `matmul_t(x, w)` runs our kernel: fp32 on a CPU, few rows (the static shape)."""
+    """Whether `matmul_t(x, w)` runs our kernel: fp32 activations, fp32 or bf16 weights, on a CPU,
+    few rows (the static shape)."""
     rows = x.size // max(x.shape[-1], 1)
-    return x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2 and 0 < rows <= MAX_ROWS and active()
+    return (x.dtype == jnp.float32 and w.dtype in (jnp.float32, jnp.bfloat16) and w.ndim == 2
+            and 0 < rows <= MAX_ROWS and active())
 
 
 def _call(x2: jax.Array, w: jax.Array) -> jax.Array:
-    _library()  # registers the target (usable() has built it already)
+    _library()  # registers the targets (usable() has built them already)
     out = jax.ShapeDtypeStruct((x2.shape[0], w.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x2, w)
+    target = TARGET if w.dtype == jnp.float32 else BF16_WEIGHTS_TARGET
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x2, w)
 
 
 @jax.custom_vjp
@@ -146,7 +153,7 @@ def _forward(x, w):
 
 def _backward(res, g):
     x, w = res
-    return jnp.einsum("...n,nk->...k", g, w), jnp.einsum("...n,...k->nk", g, x)
+    return jnp.einsum("...n,nk->...k", g, w.astype(g.dtype)), jnp.einsum("...n,...k->nk", g, x).astype(w.dtype)
 
 
 matmul_t.defvjp(_forward, _backward)
