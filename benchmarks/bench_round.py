@@ -8,7 +8,9 @@ Rows (batch 1, SmolLM2-135M with the shipped drafter in each --dtypes, medians o
 * `forward T=n`: the target's extend pass over n new tokens at --context committed tokens, LM head
   on the last position, the cache donated (what a plain decode step or a padded verify pass costs);
 * `forward T=1, long`: the same decode step at a context of --long-context tokens;
-* `draft`: the drafter's pass for one row (backbone, head scan, confidence, schedule);
+* `draft`: the drafter's pass for one row (backbone, head scan, confidence, schedule), with the
+  params the engine decodes with (`LoadedDrafter.decoding_params`: the shipped drafter's bf16 weights
+  in its decoding layout);
 * `verify + commit`: the verify pass over the anchor + gamma drafts, acceptance, cache commit;
 * `round`: a whole round as the engine runs it (host round trip included).
 The ratio `forward T=8 / forward T=1` is the cost of verifying 7 drafts relative to a plain step.
@@ -133,9 +135,6 @@ def main() -> None:
     if args.xla_dot:
         os.environ["DSPARK_CPU_KERNELS"] = "0"  # read when the first program is traced
 
-    import jax
-    import jax.numpy as jnp
-
     from dspark_jax.checkpoints.registry import default_drafter_path, load_target
     from dspark_jax.drafters.checkpoint import load_drafter
 
@@ -143,8 +142,7 @@ def main() -> None:
     for layout, dtype in [(lay, dt) for lay in args.layouts.split(",") for dt in args.dtypes.split(",")]:
         target = load_target("smollm2-135m", dtype=dtype, layout=layout)
         drafter = load_drafter(default_drafter_path("smollm2-135m"), target.config, "smollm2-135m")
-        drafter = dataclasses.replace(drafter, params=jax.tree.map(lambda a: jnp.asarray(a, target.weight_dtype),
-                                                                   drafter.params))
+        drafter = dataclasses.replace(drafter, params=drafter.decoding_params(target))  # what the engine decodes with
         row = {"layout": layout, "dtype": dtype}
         for n in (1, 2, 4, 8):
             row[f"forward T={n}"] = forward_ms(target, n, args.context, args.cache, args.repeats)

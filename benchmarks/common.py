@@ -42,7 +42,8 @@ def products_note(xla_dot: bool) -> str:
     if xla_dot or not cpu_kernels.active():
         return "fp32 products of few rows and decode attention: XLA's ops (our CPU kernels off or unavailable).\n"
     attention = " and decode attention" if cpu_kernels.active("attention") else ""
-    return f"fp32 products of up to 32 rows{attention}: our CPU kernels (dspark_jax/models/cpu_kernels.cc).\n"
+    return (f"products of up to 32 rows against fp32 or bf16 weights{attention}: our CPU kernels "
+            "(dspark_jax/models/cpu_kernels.cc).\n")
 
 
 def add_speculative_args(parser: argparse.ArgumentParser, out: str) -> None:
