@@ -42,7 +42,9 @@ Two entry points share all of this:
 Parameters are a dict pytree: {"fc", "hidden_norm", "layers" (decoder names, stacked), "final_norm",
 "markov": {"w1", "w2"}, "rnn": {"w", "b"}, "confidence": {"w", "b"}} (heads only when configured).
 The target's embedding and LM head are NOT drafter parameters; callers pass the frozen target
-params and its ModelConfig.
+params and its ModelConfig. Decoding reads them rearranged (`decoding_layout`: per-layer layers,
+"fc_t", "w2_t", "w_t", all stored [out, in]) and may add a "draft_head" (`with_draft_head`); every
+function here accepts either form.
 """
 
 from __future__ import annotations
@@ -306,7 +308,8 @@ def _head_step(dparams: dict, dcfg: DrafterConfig, state: jax.Array, prev: jax.A
     e = _markov_embedding(dparams, prev)
     if dcfg.head == "markov":
         return state, e
-    z = decoder.linear(dparams["rnn"], "w", jnp.concatenate([state, e, h.astype(e.dtype)], axis=-1)) + dparams["rnn"]["b"]
+    z = decoder.linear(dparams["rnn"], "w", jnp.concatenate([state, e, h.astype(e.dtype)], axis=-1))
+    z = z + dparams["rnn"]["b"]
     gate, candidate, output = jnp.split(z, 3, axis=-1)
     gate = jax.nn.sigmoid(gate)
     return gate * state + (1.0 - gate) * jnp.tanh(candidate), jnp.tanh(output)
