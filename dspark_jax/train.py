@@ -5,7 +5,9 @@ A run folder (run.out_dir) belongs to one run: a new run needs an empty or new f
 replaces the run in it), and `--resume` continues from the latest checkpoint there (bit-for-bit the
 same run as an uninterrupted one) with the config the run started with (run.json; a changed
 schedule, e.g. more optim.steps, needs `--allow-schedule-change` and is recorded in resumes.jsonl).
-At the end the drafter is exported to run.out_dir/drafter (safetensors + JSON).
+At the end the drafter is exported to run.out_dir/drafter (safetensors + JSON); `--export-latest`
+writes the drafter of the latest checkpoint to run.out_dir/drafter-step-N instead, without training
+(a run that is still going, or was stopped, gives a drafter to calibrate, evaluate or ship).
 Several processes (`--coordinator-address/--num-processes/--process-id`, or `--distributed`) train
 one run together: each runs this same command; the global batches, and so the run, do not depend on
 how many processes there are, and a run resumes on another number of processes.
@@ -31,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allow-schedule-change", action="store_true",
                    help="on --resume, accept changed optim.steps / run.* settings (recorded in resumes.jsonl)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--export-latest", action="store_true",
+                   help="write the latest checkpoint's drafter to run.out_dir/drafter-step-N and exit (nothing trains)")
     plan = p.add_argument_group("--plan: memory per device and FLOPs per step, from shapes alone (nothing trains)")
     plan.add_argument("--plan", action="store_true", help="print the plan of this config and exit")
     where = plan.add_mutually_exclusive_group()
@@ -46,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.allow_schedule_change and not args.resume:
         p.error("--allow-schedule-change only applies with --resume")
+    if args.export_latest and (args.resume or args.overwrite or args.plan):
+        p.error("--export-latest trains nothing: it takes no --resume, --overwrite or --plan")
     plan_only = [f for f in ("devices", "accelerator_type", "accelerator", "target_config", "mfu") if
                  getattr(args, f) is not None] + (["json"] if args.json else [])
     if plan_only and not args.plan:
@@ -66,19 +72,47 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     runtime.initialize(args)  # before anything touches devices
     from dspark_jax.checkpoints.registry import load_target
-    from dspark_jax.drafters.checkpoint import save_drafter
-    from dspark_jax.training.config import config_to_dict
     from dspark_jax.training.trainer import Trainer, check_run_folder
 
+    if args.export_latest:
+        return export_latest(cfg)
     folder = dict(resume=args.resume, overwrite=args.overwrite, allow_schedule_change=args.allow_schedule_change)
     check_run_folder(cfg, **folder)  # before loading anything: fit checks again, then writes
     target = load_target(cfg.target)
     trainer = Trainer(cfg, target)
     state = trainer.fit(progress=not args.no_progress, **folder)
     trainer.close()
-    params = trainer.host_params(state)  # every process takes part; process 0 writes
+    write_drafter(cfg, trainer, state, os.path.join(cfg.run.out_dir, "drafter"))
+    return 0
+
+
+def export_latest(cfg) -> int:
+    """The latest checkpoint's drafter, written beside the run's checkpoints; the run is untouched."""
+    import dataclasses
+
+    from dspark_jax.checkpoints.registry import load_target
+    from dspark_jax.core.errors import UserError
+    from dspark_jax.training.trainer import Trainer, check_run_folder
+
+    check_run_folder(cfg, resume=True, allow_schedule_change=True)  # the run's own config, schedule aside
+    # The feature cache feeds training steps only: an export neither builds nor opens it.
+    without_cache = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, feature_cache=None))
+    trainer = Trainer(without_cache, load_target(cfg.target), progress=False)
+    state = trainer.latest_state()
+    trainer.close()
+    if state is None:
+        raise UserError(f"no checkpoint to export in {cfg.run.out_dir}")
+    write_drafter(cfg, trainer, state, os.path.join(cfg.run.out_dir, f"drafter-step-{int(state.step)}"))
+    return 0
+
+
+def write_drafter(cfg, trainer, state, out: str) -> None:
+    """Export `state`'s drafter to `out` (every process takes part; process 0 writes)."""
+    from dspark_jax.drafters.checkpoint import save_drafter
+    from dspark_jax.training.config import config_to_dict
+
+    params = trainer.host_params(state)
     if gather.is_primary():
-        out = os.path.join(cfg.run.out_dir, "drafter")
         save_drafter(out, trainer.dcfg, params,
                      metadata={"train_config": config_to_dict(cfg), "steps": int(state.step),
                                **({"draft_vocab_coverage": {"train": trainer.draft_vocab_coverage,
@@ -86,7 +120,6 @@ def main(argv: list[str] | None = None) -> int:
                                   if trainer.draft_vocab_coverage is not None else {})})
         print(f"drafter written to {out}")
     gather.barrier("dspark-drafter-written")  # the run is over on every process once its drafter exists
-    return 0
 
 
 if __name__ == "__main__":

@@ -443,3 +443,73 @@ def test_readme_dry_runs_are_what_the_scripts_print(fake):
             assert p.returncode == 0 and p.stdout.splitlines() == shown, line
             examples += 1
     assert examples >= 1 and fake.calls() == []
+
+
+# ---------------------------------------------------------------------------- the local recipe
+
+FAKE_PYTHON = f"""#!{sys.executable}
+import json, os, subprocess, sys
+
+args = sys.argv[1:]
+if args[0] == "-c":  # the script's own one-liners run for real
+    sys.exit(subprocess.call([{sys.executable!r}, *args]))
+with open(os.environ["FAKE_PYTHON_LOG"], "a") as f:
+    f.write(json.dumps(args) + "\\n")
+def value(flag):
+    return args[args.index(flag) + 1]
+def write_drafter(folder, sts):
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "drafter.json"), "w") as f:
+        json.dump({{"sts_by_temperature": sts}}, f)
+if args[1] == "dspark_jax.train":
+    out = next(a.split("=", 1)[1] for a in args if a.startswith("run.out_dir="))
+    write_drafter(os.path.join(out, "drafter"), {{}})
+elif args[1] == "dspark_jax.calibrate":
+    source = value("--drafter")
+    target = value("--save-to") if "--save-to" in args else source
+    sts = json.load(open(os.path.join(source, "drafter.json"))).get("sts_by_temperature", {{}})
+    write_drafter(target, {{**sts, value("--temperature"): [1.0]}})
+"""
+
+
+def test_smollm2_recipe_runs_every_step_once_and_resumes(tmp_path):
+    """launch/smollm2_drafter.sh: every step in order, a valid training config, and a second run
+    that redoes only the steps that resume by themselves (datagen skips its finished shards)."""
+    from dspark_jax.training.config import load_config
+
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+    start = tmp_path / "start"
+    start.mkdir()
+    for name in ("drafter.json", "drafter.safetensors"):
+        (start / name).write_text("{}")
+    env = {**os.environ, "PYTHON": str(fake), "FAKE_PYTHON_LOG": str(log), "RUN": str(tmp_path / "runs" / "v2"),
+           "START": str(start), "SEEDS": "0 1"}
+
+    def run():
+        log.unlink(missing_ok=True)
+        subprocess.run(["bash", os.path.join(LAUNCH, "smollm2_drafter.sh")], cwd=ROOT, env=env, check=True,
+                       capture_output=True, text=True)
+        return [json.loads(line) for line in log.read_text().splitlines()]
+
+    calls = run()
+    modules = [c[1] for c in calls]
+    assert modules == ["dspark_jax.datagen"] * 4 + ["dspark_jax.train"] + ["dspark_jax.calibrate"] * 2
+    assert [c[c.index("--out") + 1] for c in calls[:4]] == [
+        "data/smollm2-eval", "data/smollm2-train/greedy", "data/smollm2-train/sampled-s0", "data/smollm2-train/sampled-s1"]
+    train = calls[4]
+    cfg = load_config(os.path.join(ROOT, train[train.index("--config") + 1]), [a for a in train[3:] if "=" in a])
+    assert cfg.optim.init_from_drafter == f"{tmp_path}/runs/v2.start" and cfg.data.seq_len == 1024
+    assert sorted(os.listdir(tmp_path / "runs" / "v2.start")) == ["drafter.json", "drafter.safetensors"]
+    assert [c[c.index("--temperature") + 1] for c in calls[5:]] == ["0", "1"]
+    with open(tmp_path / "runs" / "v2-calibrated" / "drafter.json") as f:
+        assert sorted(json.load(f)["sts_by_temperature"]) == ["0", "1"]
+
+    assert [c[1] for c in run()] == ["dspark_jax.datagen"] * 4  # the rest is done
+    log.unlink()
+    dry = subprocess.run(["bash", os.path.join(LAUNCH, "smollm2_drafter.sh"), "--dry-run"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, check=True)
+    assert not log.exists()  # prints, runs nothing
+    assert [line.split()[2] for line in dry.stdout.splitlines()] == ["dspark_jax.datagen"] * 4

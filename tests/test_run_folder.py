@@ -121,6 +121,37 @@ def test_overwrite_replaces_the_run_and_only_the_run(used, tmp_path, capsys, tin
     assert {k: v for k, v in snapshot(out).items() if k != "run.json"} == before
 
 
+def test_export_latest_writes_the_latest_checkpoints_drafter(used, finished, tmp_path, capsys, tiny_load_target):
+    from dspark_jax.drafters.checkpoint import load_drafter
+
+    out = used.run.out_dir
+    config = write_yaml(tmp_path / "run.yaml", used)
+    shutil.rmtree(os.path.join(out, "checkpoints", "6"))  # a run stopped after its step-3 save
+    before = snapshot(out)
+    code, stdout, err = run_main(train.main, capsys, "--config", config, "--export-latest")
+    assert code == 0, err
+    assert "drafter-step-3" in stdout
+    assert {k: v for k, v in snapshot(out).items() if not k.startswith("drafter-step-3/")} == before  # run untouched
+    at_3 = load_drafter(os.path.join(out, "drafter-step-3"))
+    assert at_3.metadata["steps"] == 3
+    restored = Trainer(used, tiny_target(), progress=False)
+    want = params_of(restored.latest_state())
+    restored.close()
+    jax.tree.map(np.testing.assert_array_equal, at_3.params, want)
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(at_3.params), jax.tree.leaves(finished[1])))
+
+    # the run goes on beside its exported drafter, and ends where an uninterrupted one does
+    code, _, err = run_main(train.main, capsys, "--config", config, "--resume", "--no-progress")
+    assert code == 0, err
+    jax.tree.map(np.testing.assert_array_equal, load_drafter(os.path.join(out, "drafter")).params, finished[1])
+    assert_one_line_error(train.main, capsys, "drafter.markov_rank (", "--config", config, "--export-latest",
+                          "drafter.markov_rank=4")
+    assert_one_line_error(train.main, capsys, "takes no --resume", "--config", config, "--export-latest", "--resume")
+    empty = write_yaml(tmp_path / "empty.yaml", with_out_dir(used, tmp_path / "empty"))
+    os.makedirs(tmp_path / "empty")
+    assert_one_line_error(train.main, capsys, "no checkpoint to export", "--config", empty, "--export-latest")
+
+
 @pytest.mark.parametrize("override, key", [("drafter.markov_rank=4", "drafter.markov_rank"),
                                            ("data.seq_len=80", "data.seq_len"), ("loss.decay=2.0", "loss.decay"),
                                            ("optim.lr=1e-3", "optim.lr"), ("target=other", "target")])

@@ -174,6 +174,35 @@ def test_a_draft_vocabulary_is_picked_from_the_data_and_trains(tmp_path):
     assert load_drafter(str(tmp_path / "drafter")).config.draft_vocab == trainer.dcfg.draft_vocab
 
 
+def test_init_from_drafter_starts_from_its_weights(tmp_path):
+    from dspark_jax.core.errors import UserError
+    from dspark_jax.drafters.checkpoint import save_drafter
+
+    target = tiny_target()
+    source = Trainer(tiny_config(tmp_path), target, progress=False)
+    trained = params_of(source.init_state(seed=5))  # any weights other than a fresh seed-0 init
+    save_drafter(str(tmp_path / "drafter"), source.dcfg, trained)
+    fresh = params_of(source.init_state(seed=0))
+    source.close()
+
+    trainer = Trainer(tiny_config(tmp_path, init_from_drafter=str(tmp_path / "drafter")), target, progress=False)
+    state = trainer.init_state(seed=0)
+    started = params_of(state)
+    jax.tree.map(np.testing.assert_array_equal, started, trained)
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(started), jax.tree.leaves(fresh)))
+    assert int(state.step) == 0
+    trainer.close()
+
+    other = tiny_config(tmp_path, init_from_drafter=str(tmp_path / "drafter"))
+    other = dataclasses.replace(other, drafter={**other.drafter, "markov_rank": 4})
+    with pytest.raises(UserError, match="markov_rank differs"):
+        Trainer(other, target, progress=False)
+    with pytest.raises(UserError, match="set one"):
+        tiny_config(tmp_path, init_from_drafter=str(tmp_path / "drafter"), init_from_target=True)
+    with pytest.raises(UserError, match="no drafter checkpoint"):
+        Trainer(tiny_config(tmp_path, init_from_drafter=str(tmp_path / "nowhere")), target, progress=False)
+
+
 def test_init_from_target_copies_the_last_target_layers(tmp_path):
     cfg = tiny_config(tmp_path, init_from_target=True)
     target = tiny_target()

@@ -82,6 +82,16 @@ class OptimConfig:
     # Start the draft layers from the target's last layers (every weight of the same shape; the
     # draft layers' q/k norms, which a Llama target has not, stay at one) instead of at random.
     init_from_target: bool = False
+    # Start every drafter parameter from a trained drafter folder (drafter.json + safetensors, e.g.
+    # the shipped one) of the very same config: a run continues training a drafter on new data
+    # without its checkpoints (they stay on the machine that wrote them; a drafter folder travels).
+    init_from_drafter: str | None = None
+
+    __relations__ = (
+        relation("init_from_target init_from_drafter", lambda init_from_target, init_from_drafter:
+                 not (init_from_target and init_from_drafter),
+                 "optim.init_from_target and optim.init_from_drafter both choose the starting weights: set one"),
+    )
 
     def __post_init__(self):
         validate(self)

@@ -249,7 +249,7 @@ def make_train_iterator(cfg: TrainConfig, dcfg: DrafterConfig, source=None):
 
 RUN_FILE, RESUMES_FILE, METRICS_FILE, CHECKPOINTS_DIR = "run.json", "resumes.jsonl", "metrics.jsonl", "checkpoints"
 # Everything a run (and plot_metrics) writes into its folder, temporary files of atomic writes included.
-_RUN_ENTRY = re.compile(r"(run\.json|resumes\.jsonl|metrics\.jsonl|checkpoints|drafter|plots)"
+_RUN_ENTRY = re.compile(r"(run\.json|resumes\.jsonl|metrics\.jsonl|checkpoints|drafter|drafter-step-\d+|plots)"
                         r"|\.(run\.json|resumes\.jsonl|metrics\.jsonl)\.(tmp\.\d+|[^/]+\.tmp)|\.overwrite-trash\.\d+")
 _STEP_DIR = re.compile(r"\d+(\.orbax-checkpoint-tmp.*)?")  # orbax step folders, finished or not
 # What a resume may change (with allow_schedule_change): how long it runs and how often it logs,
@@ -466,6 +466,7 @@ class Trainer:
         self.draft_vocab_coverage = self.draft_vocab_eval_coverage = None
         if self.dcfg.draft_vocab_size and not self.dcfg.draft_vocab:  # picked from the data: the same on resume
             self._pick_draft_vocabulary(progress)
+        self.start_params = self._start_from_drafter() if cfg.optim.init_from_drafter else None
         self.mesh = sharding.make_mesh(*cfg.run.mesh)
         self.optimizer = make_optimizer(cfg)
         init_params, _ = drafter_functions(self.dcfg)
@@ -509,6 +510,28 @@ class Trainer:
             print(f"draft vocabulary: the {len(ids)} most frequent response tokens cover "
                   f"{100 * self.draft_vocab_coverage:.2f}% of the training responses' tokens{held_out}", flush=True)
 
+    def _start_from_drafter(self) -> dict:
+        """The params of optim.init_from_drafter (float32 numpy), refused in one line unless its
+        config is this run's drafter config, and the same on every process."""
+        import hashlib
+
+        from dspark_jax.checkpoints.assemble import flatten
+        from dspark_jax.drafters.checkpoint import load_drafter
+
+        path = self.cfg.optim.init_from_drafter
+        loaded = load_drafter(path, self.target.config, self.target.name)
+        differ = [f.name for f in dataclasses.fields(DrafterConfig)
+                  if getattr(loaded.config, f.name) != getattr(self.dcfg, f.name)]
+        if differ:
+            raise UserError(f"optim.init_from_drafter: the drafter at {path} is not this run's drafter (its "
+                            f"{', '.join(differ)} differ{'s' if len(differ) == 1 else ''} from the config's)")
+        if jax.process_count() > 1:  # each process reads its own copy (the path may differ per host)
+            digest = hashlib.blake2b(digest_size=16)
+            for name, value in sorted(flatten(loaded.params, ".").items()):
+                digest.update(name.encode() + np.ascontiguousarray(value).tobytes())
+            _check_same_everywhere("the weights of optim.init_from_drafter", digest.hexdigest())
+        return loaded.params
+
     @property
     def manager(self):
         """The orbax CheckpointManager of run.out_dir/checkpoints, opened on first use. It removes
@@ -523,13 +546,16 @@ class Trainer:
         return self._manager
 
     def init_state(self, seed: int = 0) -> TrainState:
-        def init(key, target_params):
+        def init(key, target_params, start):
             params = self._init_params(key)
+            if start is not None:  # optim.init_from_drafter
+                params = jax.tree.map(lambda p, w: w.astype(p.dtype), params, start)
             if self.cfg.optim.init_from_target:
                 params = layers_from_target(params, self.dcfg, target_params, self.target.config)
             return TrainState(jnp.int32(0), params, self.optimizer.init(params))
 
-        return jax.jit(init, out_shardings=self.state_shardings)(jax.random.key(seed), self.target_params)
+        return jax.jit(init, out_shardings=self.state_shardings)(jax.random.key(seed), self.target_params,
+                                                                 self.start_params)
 
     def save(self, state: TrainState) -> None:
         """Checkpoint `state` and the data position; every process calls it (orbax writes each
@@ -542,6 +568,11 @@ class Trainer:
             state=ocp.args.StandardSave(state), data_global=ocp.args.JsonSave(data_state),
             config=ocp.args.JsonSave(json.loads(json.dumps(config_to_dict(self.cfg), default=str)))))
 
+    def abstract_state(self) -> TrainState:
+        """The train state's shapes, dtypes and shardings (what a restore fills in)."""
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            jax.eval_shape(self.init_state), self.state_shardings)
+
     def restore_latest(self) -> TrainState | None:
         """The latest checkpoint's state (on this run's mesh, whatever the topology that saved it),
         with the data iterator set to its position; None without checkpoints."""
@@ -551,8 +582,7 @@ class Trainer:
         step = self.manager.latest_step()
         if step is None:
             return None
-        abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                                jax.eval_shape(self.init_state), self.state_shardings)
+        abstract = self.abstract_state()
         if files.is_dir(os.path.join(self.cfg.run.out_dir, CHECKPOINTS_DIR, str(step), "data_global")):
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract), data_global=ocp.args.JsonRestore()))
@@ -563,6 +593,17 @@ class Trainer:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(self.data)))
         return restored["state"]
+
+    def latest_state(self) -> TrainState | None:
+        """The latest checkpoint's train state alone (the data iterator untouched); None without
+        checkpoints. For exporting a drafter from a run that is still going."""
+        import orbax.checkpoint as ocp
+
+        step = self.manager.latest_step()
+        if step is None:
+            return None
+        abstract = self.abstract_state()
+        return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
 
     def _feature_cache(self, progress: bool):
         """Open data.feature_cache, checked against this run; build it first if it is not complete."""
@@ -662,6 +703,7 @@ class Trainer:
         cfg = self.cfg
         same = dict(jsonable_config(cfg))  # paths may differ per host (local copies)
         same["data"] = {k: v for k, v in same["data"].items() if k not in ("train_dir", "eval_dir", "feature_cache")}
+        same["optim"] = {k: v for k, v in same["optim"].items() if k != "init_from_drafter"}  # its weights: checked
         same["run"] = {k: v for k, v in same["run"].items() if k != "out_dir"}
         _check_same_everywhere("the run's config (paths aside)", json.dumps({**same, "target": None}, sort_keys=True))
         check = check_run_folder(cfg, resume, overwrite, allow_schedule_change)

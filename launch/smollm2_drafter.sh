@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The shipped SmolLM2-135M drafter's whole recipe on one machine (docs/training.md, docs/results.md
+# section 14): held-out data, greedy and sampled training data, the training run, STS at T = 0 and
+# T = 1. Every step resumes where it stopped and a finished step is skipped, so the same command
+# continues after a reboot, a kill or the end of a sitting:
+#
+#   mkdir -p logs && setsid nohup bash launch/smollm2_drafter.sh > logs/smollm2_drafter.log 2>&1 &
+#   bash launch/smollm2_drafter.sh --dry-run      # the commands, one per line; runs nothing
+#
+# The run starts from the drafter in START (default: the shipped one, copied once into
+# RUN.start so the run keeps what it started from when the shipped drafter is replaced). Run from
+# the repository root with the package installed. Settings (environment): RUN, START, SEEDS
+# (sampled datagen seeds, default "0"), STEPS, PYTHON.
+set -euo pipefail
+
+dry=0
+case "${1:-}" in
+  --dry-run) dry=1 ;;
+  "") ;;
+  -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  *) echo "error: unknown argument $1 (only --dry-run)" >&2; exit 2 ;;
+esac
+
+PYTHON=${PYTHON:-python}
+RUN=${RUN:-runs/dspark_smollm2-135m-v2}
+START=${START:-dspark_jax/shipped/dspark_smollm2-135m}
+SEEDS=${SEEDS:-0}
+STEPS=${STEPS:-4000}
+EVAL_SETS=gsm8k,math500,humaneval,mbpp,livecodebench,lbpp,swe-bench,arena-hard-v2
+
+step() {  # print the command; run it unless --dry-run
+  echo "$*"
+  if [ "$dry" = 0 ]; then
+    echo "[$(date -u +%FT%TZ)] start" >&2
+    "$@"
+  fi
+}
+
+step "$PYTHON" -m dspark_jax.datagen --sets "$EVAL_SETS" --split eval --limit 40 --out data/smollm2-eval \
+  --temperature 0 --max-new-tokens 384
+step "$PYTHON" -m dspark_jax.datagen --sets all --split train --out data/smollm2-train/greedy \
+  --temperature 0 --max-new-tokens 384
+for seed in $SEEDS; do
+  step "$PYTHON" -m dspark_jax.datagen --sets all --split train --out "data/smollm2-train/sampled-s$seed" \
+    --seed "$seed" --max-new-tokens 384
+done
+
+calibrated_at() {  # the decoding temperatures drafter folder $1 is calibrated at, one per line
+  "$PYTHON" -c 'import json, sys; print(*json.load(open(sys.argv[1])).get("sts_by_temperature", {}), sep="\n")' \
+    "$1/drafter.json" 2>/dev/null || true
+}
+
+if [ ! -e "$RUN.start/drafter.json" ]; then
+  step mkdir -p "$RUN.start"
+  step cp "$START/drafter.json" "$START/drafter.safetensors" "$RUN.start/"
+fi
+if [ ! -e "$RUN/drafter/drafter.json" ]; then
+  step "$PYTHON" -m dspark_jax.train --config configs/dspark_smollm2-135m.yaml --resume \
+    "optim.steps=$STEPS" optim.lr=1.0e-3 "optim.init_from_drafter=$RUN.start" "run.out_dir=$RUN" \
+    run.eval_every=250 run.eval_batches=16 data.seq_len=1024 data.rows=4 data.blocks_per_row=64 \
+    data.feature_cache=data/smollm2-train-features data.feature_cache_dtype=bfloat16
+fi
+
+# STS on held-out greedy and T = 1 rounds, into one bf16 copy (the drafter to ship).
+if ! calibrated_at "$RUN-calibrated" | grep -qx 0; then
+  step "$PYTHON" -m dspark_jax.calibrate --drafter "$RUN/drafter" --temperature 0 --limit 16 \
+    --max-new-tokens 128 --save-to "$RUN-calibrated" --storage-dtype bfloat16
+fi
+if ! calibrated_at "$RUN-calibrated" | grep -qx 1; then
+  step "$PYTHON" -m dspark_jax.calibrate --drafter "$RUN-calibrated" --temperature 1 --limit 16 --max-new-tokens 128
+fi
+[ "$dry" = 1 ] || echo "done: $RUN-calibrated"
