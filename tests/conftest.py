@@ -1,6 +1,9 @@
 """Shared fixtures: tiny random Hugging Face models saved to disk, loaded by our loader."""
 
 import os
+import shutil
+import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -9,6 +12,28 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Several fake CPU devices for the sharding tests; must be set before JAX initialises.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 ALLOW_FEWER_DEVICES = "DSPARK_ALLOW_FEWER_DEVICES"
+
+# One persistent XLA cache for the whole run, this process and every CLI subprocess it starts (they
+# inherit the environment): the same programs (the real SmolLM2's prefill and decode steps, a tiny
+# model's verify pass) otherwise compile again in every module (each one's compiled programs are
+# freed at its end, below) and in every subprocess. A fresh folder per run, deleted at its end, so
+# no run reads another's programs; DSPARK_TEST_XLA_CACHE=0 compiles everything afresh.
+_XLA_CACHE = None
+if os.environ.get("DSPARK_TEST_XLA_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _XLA_CACHE = tempfile.mkdtemp(prefix="dspark-test-xla-")
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=_XLA_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    if "jax" in sys.modules:  # imported before this file (by a plugin): its config has read the environment already
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    if _XLA_CACHE is not None:
+        shutil.rmtree(_XLA_CACHE, ignore_errors=True)
 
 
 def pytest_configure(config):

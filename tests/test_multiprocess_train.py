@@ -127,6 +127,7 @@ def test_two_processes_train_the_one_process_run(setup, tmp_path):
     assert "drafter written to" in results[0].stdout and "drafter written" not in results[1].stdout
 
 
+@pytest.mark.slow  # ~1 min; the default suite keeps the two-process == one-process run above
 def test_a_run_resumes_on_another_number_of_processes(setup, tmp_path):
     """2 processes to step 2, 1 process (4 devices) to step 4, 2 processes to the end: the
     uninterrupted run's log and drafter (the data position is the global stream's, saved once)."""

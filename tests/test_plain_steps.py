@@ -171,7 +171,10 @@ def test_continuous_batching_with_plain_steps_is_lossless():
         assert all(s["tau_sum"] >= s["rounds"] for s in got.request_stats)
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(1.0), SamplingConfig(0.8, 8, 0.9)], ids=["T1", "topk-topp"])
+# top-k/top-p with plain steps: in the slow set (the processed distributions' losslessness is tested
+# in test_speculative; the plain-step path is the same for both)
+@pytest.mark.parametrize("sampling", [SamplingConfig(1.0), pytest.param(SamplingConfig(0.8, 8, 0.9), marks=pytest.mark.slow)],
+                         ids=["T1", "topk-topp"])
 def test_sampling_with_plain_steps_is_lossless(sampling):
     """The first 6 sampled tokens (6000 samples, 3 prompts) follow the target's conditionals exactly
     with rounds and plain steps alternating: position 0 is the prefill's sample, the others come
