@@ -155,8 +155,9 @@ def sps_table(args, target, dcfg, dparams, gamma, max_len, buckets):
     drafter += "".join(sorted({f"_{a.dtype}" for a in jax.tree.leaves(dparams) if a.dtype != jnp.float32}))
     layout = decoder.layout_of(target.params)
     weights = "" if target.weight_dtype == "float32" else f"_{target.weight_dtype}"
-    # fp32 verify passes through our CPU kernel cost about half what they cost through XLA's dot.
-    products = "_rowkernel" if target.weight_dtype == "float32" and cpu_kernels.active() else ""
+    # Verify passes through our CPU kernels cost about half what they cost through XLA's dot, and
+    # each version of the kernels has its own costs.
+    products = f"_rowkernel-{cpu_kernels.source_tag()}" if cpu_kernels.active() else ""
     model = (f"{target.name}:{target.config.num_layers}x{target.config.hidden_size}:{target.weight_dtype}{products}:"
              f"{layout}+{drafter}:kv{max_len}")
     path = args.sps_table or os.path.join(".dspark_cache", f"sps_{target.name}_{layout}{weights}{products}_{drafter}_"

@@ -121,6 +121,13 @@ def _library() -> dict:
         return none
 
 
+@functools.cache
+def source_tag() -> str:
+    """A short hash of the kernels' source: what their speed depends on, for caches of measured costs
+    (an SPS table profiled with one version of the kernels misleads the scheduler under another)."""
+    return hashlib.sha256((files("dspark_jax.models") / _SOURCE).read_bytes()).hexdigest()[:8]
+
+
 def active(kernel: str = "matmul") -> bool:
     """Whether `kernel` ("matmul" or "attention") runs in this process (the CPU backend, kernel built)."""
     return jax.default_backend() == "cpu" and _library()[kernel]
