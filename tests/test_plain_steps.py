@@ -255,6 +255,47 @@ def test_gate_probe_interval_is_capped_and_resets_when_a_probe_wins():
     assert gate.probe_every == PROBE_EVERY and not gate.plain_now()
 
 
+def test_gate_leaves_out_times_it_is_told_are_unfair():
+    """A program's first execution (None seconds) teaches tau and counts its steps but not its cost;
+    a probe that wins by its own tau brings the probes back at once."""
+    gate = PlainStepGate(round_s=1.0, plain_s=0.5, tau=1.0)
+    gate.observe_round(None, np.array([3.0]))
+    assert gate.round_s == 1.0 and gate.tau > 1.0 and gate.rounds == 1
+    gate.observe_plain(None, steps=4)
+    assert gate.plain_s == 0.5 and gate.plain_steps == 4
+    gate.probe_every = PROBE_EVERY_MAX
+    gate.observe_round(1.0, np.array([4.0]))  # the running tau is still below break-even (2) ...
+    assert gate.tau < 2.0 and gate.probe_every == PROBE_EVERY  # ... but this probe paid
+
+
+class TimedGate(ScriptedGate):
+    """ScriptedGate that records the seconds the engine reports for each step."""
+
+    def __init__(self, pattern):
+        super().__init__(pattern)
+        self.seen = {"round": [], "plain": []}
+
+    def observe_round(self, seconds, tokens_per_request):
+        self.seen["round"].append(seconds)
+        super().observe_round(seconds, tokens_per_request)
+
+    def observe_plain(self, seconds, steps=1):
+        self.seen["plain"].append(seconds)
+        super().observe_plain(seconds, steps)
+
+
+@pytest.mark.parametrize("cfg", [SpecConfig(gamma=4), bucketed(policy="fixed")], ids=["padded", "bucketed"])
+def test_first_execution_of_each_program_is_not_timed(cfg):
+    dcfg, dparams = drafter()
+    gate = TimedGate(ALTERNATE)
+    speculative_generate(TARGET, TCFG, dparams, dcfg, PROMPTS, max_new_tokens=20, gate=gate, cfg=cfg)
+    programs = {"round": len(cfg.verify_buckets or [None]), "plain": 1}  # a verify program per bucket
+    for kind, seconds in gate.seen.items():
+        assert seconds[0] is None, kind
+        untimed = sum(s is None for s in seconds)
+        assert untimed <= programs[kind] < len(seconds) and all(s is None or s > 0 for s in seconds), (kind, seconds)
+
+
 def test_gate_priors_come_from_the_sps_table():
     table = SPSTable(buckets=(1, 2, 4, 8, 10), sps=(50.0, 48.0, 45.0, 40.0, 20.0), plain_sps=40.0)
     gate = PlainStepGate.from_table(table, rows=2, gamma=4)  # a full round: 10 tokens, 20 rounds/s

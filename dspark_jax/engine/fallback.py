@@ -5,7 +5,7 @@ step costs one target pass and commits exactly one. `PlainStepGate` keeps runnin
 tau (from the rounds run so far), of a round's seconds and of a plain step's seconds (measured on
 this machine; the SPS table's profiled costs are the priors), and before each step picks the one
 with the higher expected tokens per second. While plain steps win, a round is run now and then
-(every `probe_every` plain steps, the interval doubling up to 256 while probes keep losing) so that a
+(every `probe_every` plain steps, the interval doubling up to 64 while probes keep losing) so that a
 drafter that starts paying again — easier text later in the response — is noticed.
 
 Lossless by construction: the choice for step t is made from steps before t only (never from
@@ -20,8 +20,13 @@ import dataclasses
 import numpy as np
 
 PROBE_EVERY = 8  # plain steps before the first re-probe
-PROBE_EVERY_MAX = 256  # the re-probe interval doubles up to this while probes lose
-SMOOTHING = 0.3  # weight of the newest observation in the running estimates
+PROBE_EVERY_MAX = 64  # the re-probe interval doubles up to this while probes lose (a losing probe
+# costs ~half a plain step: at most ~1% here)
+SMOOTHING = 0.3  # weight of the newest observation in the running estimates of seconds
+# ... and of tau: one round's tau is a noisy draw (a geometric-like count, sd ~1-1.5 at tau ~2), so
+# its estimate averages over ~10 rounds; at 0.3 two early rejections in a row swung it below the
+# break-even of a drafter that pays on average (measured: math, tau 2.1, 75% plain steps).
+TAU_SMOOTHING = 0.1
 
 
 @dataclasses.dataclass
@@ -72,28 +77,29 @@ class PlainStepGate:
             return False
         return self.plain_run < self.probe_every
 
-    def observe_round(self, seconds: float, tokens_per_request: np.ndarray) -> None:
-        """A round took `seconds` and its active requests committed these many tokens each."""
+    def observe_round(self, seconds: float | None, tokens_per_request: np.ndarray) -> None:
+        """A round took `seconds` (None: not a fair measure, e.g. its program's first execution) and
+        its active requests committed these many tokens each."""
         tokens = np.asarray(tokens_per_request, np.float64)
         if tokens.size:
-            self.tau = _smooth(self.tau, float(tokens.mean()))
-        if self.timed:
+            self.tau = _smooth(self.tau, float(tokens.mean()), TAU_SMOOTHING)
+        if self.timed and seconds is not None:
             self.round_s = _smooth(self.round_s, seconds)
-        if self.plain_run:  # a re-probe: back off while it keeps losing
-            lost = self.plain_s is not None and self.tau * self.plain_s < self.round_s
+        if self.plain_run and tokens.size:  # a re-probe: back off while probes lose, by their own tau
+            lost = self.plain_s is not None and float(tokens.mean()) * self.plain_s < self.round_s
             self.probe_every = min(2 * self.probe_every, PROBE_EVERY_MAX) if lost else PROBE_EVERY
         self.plain_run = 0
         self.rounds += 1
 
-    def observe_plain(self, seconds: float, steps: int = 1) -> None:
-        """`steps` plain steps (run in one program) took `seconds` together."""
+    def observe_plain(self, seconds: float | None, steps: int = 1) -> None:
+        """`steps` plain steps (run in one program) took `seconds` together (None: not timed fairly)."""
         if steps < 1:
             return
-        if self.timed:
+        if self.timed and seconds is not None:
             self.plain_s = _smooth(self.plain_s, seconds / steps)
         self.plain_run += steps
         self.plain_steps += steps
 
 
-def _smooth(old: float | None, new: float) -> float:
-    return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
+def _smooth(old: float | None, new: float, weight: float = SMOOTHING) -> float:
+    return new if old is None else (1 - weight) * old + weight * new

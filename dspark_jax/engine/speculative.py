@@ -322,8 +322,13 @@ def round_program(target_params, dparams, state_shape, temps, *, tcfg: ModelConf
     program). With a `gate`, each step is a round or a plain target step as the gate decides from
     the steps before it, and what the step cost is reported back to it."""
     statics = dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg)
+    ran = set()  # the programs run so far (see run_step)
     if cfg.verify_buckets is None:
-        run_round = compiled(spec_round, (target_params, dparams, state_shape, temps), statics)
+        whole_round = compiled(spec_round, (target_params, dparams, state_shape, temps), statics)
+
+        def run_round(target_params, dparams, state, temps):
+            ran.add("round")
+            return whole_round(target_params, dparams, state, temps)
     else:
         rows = state_shape.anchor.shape[0]
         if cfg.verify_buckets[-1] < rows * (cfg.gamma + 1):
@@ -335,23 +340,28 @@ def round_program(target_params, dparams, state_shape, temps, *, tcfg: ModelConf
         def run_round(target_params, dparams, state, temps):
             drafted = run_draft(target_params, dparams, state, temps)
             scheduled = int(jnp.sum(jnp.where(state.done, 0, drafted.num_draft + 1)))
-            return run_verify[int(pad_to_bucket(cfg.verify_buckets, scheduled))](target_params, dparams, state,
-                                                                                 drafted)
+            bucket = int(pad_to_bucket(cfg.verify_buckets, scheduled))
+            ran.add(bucket)
+            return run_verify[bucket](target_params, dparams, state, drafted)
     if gate is None:
         return run_round
     run_plain = compiled(spec_plain, (target_params, dparams, state_shape, np.int32(1)), statics)
 
     def run_step(target_params, dparams, state, temps):
+        # A program's first execution on XLA:CPU costs 2-5x the later ones (buffers, thunks): its
+        # time would tell the gate that rounds (a program per verify bucket) cost more than they do.
+        before = len(ran)
         t = time.perf_counter()
         planned = gate.plain_run_length()
         if planned:
+            ran.add("plain")
             state, stats = run_plain(target_params, dparams, state, np.int32(min(planned, MAX_PLAIN_RUN)))
-            ran = int(stats.plain)  # waits for the program
-            gate.observe_plain(time.perf_counter() - t, steps=ran)
+            steps = int(stats.plain)  # waits for the program
+            gate.observe_plain(time.perf_counter() - t if len(ran) == before else None, steps=steps)
         else:
             state, stats = run_round(target_params, dparams, state, temps)
             active, accepted = np.asarray(stats.active), np.asarray(stats.accepted)
-            gate.observe_round(time.perf_counter() - t, accepted[active] + 1)
+            gate.observe_round(time.perf_counter() - t if len(ran) == before else None, accepted[active] + 1)
         return state, stats
 
     return run_step
