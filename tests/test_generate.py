@@ -144,3 +144,25 @@ def test_a_tie_in_one_row_leaves_the_other_rows_draws_alone():
         assert b[1] < 5
     drawn = {int(sample_jit(jax.random.split(jax.random.key(s), 3), jnp.asarray(tied))[1]) for s in range(60)}
     assert drawn == {0, 1, 2, 3, 4}  # every tied token, not only the two top_k returned
+
+
+def test_a_warmed_program_ran_once_on_zeros_before_the_caller_runs_it():
+    """compiled(..., warm=True) executes the new program once (XLA:CPU's costly first execution
+    happens at compile time, not in a timed step), on zeros where the arguments are shapes, keys
+    included; a cached program is not run again."""
+    from dspark_jax.engine.generate import compiled
+
+    seen = []
+
+    @jax.jit
+    def step(x, state):
+        jax.debug.callback(lambda v: seen.append(np.asarray(v)), state["n"])
+        return x + state["n"], jax.random.split(state["key"])[0]
+
+    shapes = {"n": jax.ShapeDtypeStruct((3,), jnp.float32), "key": jax.ShapeDtypeStruct((), jax.random.key(0).dtype)}
+    x = jnp.ones(3)
+    program = compiled(step, (x, shapes), {}, warm=True)
+    assert len(seen) == 1 and np.array_equal(seen[0], np.zeros(3))
+    assert compiled(step, (x, shapes), {}, warm=True) is program and len(seen) == 1
+    out, _ = program(x, {"n": jnp.full(3, 2.0), "key": jax.random.key(1)})
+    assert np.array_equal(np.asarray(out), np.full(3, 3.0)) and len(seen) == 2

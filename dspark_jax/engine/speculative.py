@@ -322,9 +322,11 @@ def round_program(target_params, dparams, state_shape, temps, *, tcfg: ModelConf
     program). With a `gate`, each step is a round or a plain target step as the gate decides from
     the steps before it, and what the step cost is reported back to it."""
     statics = dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg)
+    state_shape = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
+                               state_shape)  # shapes: the programs are warmed on scratch states (`compiled`)
     ran = set()  # the programs run so far (see run_step)
     if cfg.verify_buckets is None:
-        whole_round = compiled(spec_round, (target_params, dparams, state_shape, temps), statics)
+        whole_round = compiled(spec_round, (target_params, dparams, state_shape, temps), statics, warm=True)
 
         def run_round(target_params, dparams, state, temps):
             ran.add("round")
@@ -333,9 +335,9 @@ def round_program(target_params, dparams, state_shape, temps, *, tcfg: ModelConf
         rows = state_shape.anchor.shape[0]
         if cfg.verify_buckets[-1] < rows * (cfg.gamma + 1):
             raise ValueError(f"verify buckets {cfg.verify_buckets} do not cover {rows} x (gamma + 1) tokens")
-        run_draft = compiled(spec_draft, (target_params, dparams, state_shape, temps), statics)
+        run_draft = compiled(spec_draft, (target_params, dparams, state_shape, temps), statics, warm=True)
         run_verify = {n: compiled(spec_verify, (target_params, dparams, state_shape, run_draft.out_info),
-                                  dict(statics, bucket=n)) for n in cfg.verify_buckets}
+                                  dict(statics, bucket=n), warm=True) for n in cfg.verify_buckets}
 
         def run_round(target_params, dparams, state, temps):
             drafted = run_draft(target_params, dparams, state, temps)
@@ -345,7 +347,7 @@ def round_program(target_params, dparams, state_shape, temps, *, tcfg: ModelConf
             return run_verify[bucket](target_params, dparams, state, drafted)
     if gate is None:
         return run_round
-    run_plain = compiled(spec_plain, (target_params, dparams, state_shape, np.int32(1)), statics)
+    run_plain = compiled(spec_plain, (target_params, dparams, state_shape, np.int32(1)), statics, warm=True)
 
     def run_step(target_params, dparams, state, temps):
         # A program's first execution on XLA:CPU costs 2-5x the later ones (buffers, thunks): its
