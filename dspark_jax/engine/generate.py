@@ -444,8 +444,11 @@ def compiled(fn, args: tuple, statics: dict, warm: bool = False):
 
 
 def _zeros_like_shape(leaf):
+    """Zeros (keys: key 0 and its splits) for a shape, placed as the program expects; arrays as they are."""
     if not isinstance(leaf, jax.ShapeDtypeStruct):
         return leaf
     if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-        return jax.random.split(jax.random.key(0), leaf.shape) if leaf.shape else jax.random.key(0)
-    return jnp.zeros(leaf.shape, leaf.dtype)
+        out = jax.random.split(jax.random.key(0), leaf.shape) if leaf.shape else jax.random.key(0)
+    else:
+        out = jnp.zeros(leaf.shape, leaf.dtype)
+    return out if leaf.sharding is None else jax.device_put(out, leaf.sharding)
