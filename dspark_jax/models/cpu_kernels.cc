@@ -148,7 +148,9 @@ static inline void block(const float* __restrict x, const W* __restrict w, float
   for (int j = 0; j < NBK; ++j)
     for (int i = 0; i < MR; ++i) {
       float v = sum[j * MR + i];
-      for (int64_t t = k; t < K; ++t) v += widen(wr[j * K + t]) * xr[i * K + t];
+      // An explicit fma: left to the compiler, the tail was contracted in some block shapes and not
+      // in others (bf16 weights, AVX2 build), and a row's bits then depended on the row count.
+      for (int64_t t = k; t < K; ++t) v = std::fma(widen(wr[j * K + t]), xr[i * K + t], v);
       y[(m0 + i) * N + n0 + j] = v;
     }
 }
