@@ -151,7 +151,7 @@ def attention_case(B, T, H, Hkv, D, S, seed):
 def test_decode_attention_equals_masked_attention(B, T, H, Hkv, D, S):
     q, k_t, v, q_pos = attention_case(B, T, H, Hkv, D, S, B + T + S)
     if not cpu_kernels.attention_usable(q, k_t, v):
-        pytest.skip("no AVX-512 here: XLA's attention runs")
+        pytest.skip("the attention kernel is not built here (needs AVX2 or AVX-512): XLA's attention runs")
     got = jax.jit(cpu_kernels.decode_attention, static_argnums=4)(q, k_t, v, q_pos, 0.3)
     np.testing.assert_allclose(np.asarray(got), np.asarray(masked_attention(q, k_t, v, q_pos, 0.3)), atol=2e-5, rtol=1e-5)
     # keys past a row's position are not read: junk there changes nothing
@@ -167,7 +167,7 @@ def test_decode_attention_equals_masked_attention(B, T, H, Hkv, D, S):
 def test_decode_attention_windows(window):
     q, k_t, v, q_pos = attention_case(2, 4, 4, 2, 64, 96, window)
     if not cpu_kernels.attention_usable(q, k_t, v):
-        pytest.skip("no AVX-512 here: XLA's attention runs")
+        pytest.skip("the attention kernel is not built here (needs AVX2 or AVX-512): XLA's attention runs")
     got = cpu_kernels.decode_attention(q, k_t, v, q_pos, 0.125, jnp.int32(window))
     want = masked_attention(q, k_t, v, q_pos, 0.125, jnp.int32(window))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
@@ -184,13 +184,13 @@ def test_cache_attention_uses_the_kernel_for_few_new_tokens_only():
 
 
 @pytest.mark.skipif(not X86 or shutil.which("c++") is None, reason="needs x86-64 and c++")
-def test_the_avx2_build_computes_the_same_products(tmp_path):
-    # CPUs without AVX-512 (AMD before Zen 4, older Intel) get the 8-lane AVX2 path and XLA's attention;
-    # built here for haswell, it runs on any AVX2 machine.
+def test_the_avx2_build_computes_the_same_products_and_attention(tmp_path):
+    # CPUs without AVX-512 (AMD before Zen 4, older Intel) get the 8-lane AVX2 path of both kernels;
+    # built here for haswell, it runs on any AVX2 machine (so an AVX-512 machine tests it too).
     if "avx2" not in cpu_kernels._cpu_fingerprint():
         pytest.skip("needs an AVX2 CPU")
     code = ("import jax, jax.numpy as jnp, numpy as np\nfrom dspark_jax.models import cpu_kernels\n"
-            "assert cpu_kernels._library() == {'matmul': True, 'attention': False}, cpu_kernels._library()\n"
+            "assert cpu_kernels._library() == {'matmul': True, 'attention': True}, cpu_kernels._library()\n"
             "rng = np.random.default_rng(0)\n"
             "for rows, K, N in [(1, 576, 960), (5, 100, 1001), (8, 1536, 576), (32, 64, 13)]:\n"
             "    x, w = rng.standard_normal((rows, K), np.float32), rng.standard_normal((N, K), np.float32)\n"
@@ -202,6 +202,18 @@ def test_the_avx2_build_computes_the_same_products(tmp_path):
             "    yb = np.asarray(jax.jit(cpu_kernels.matmul_t)(jnp.asarray(x), wb))\n"
             "    exact = x.astype(np.float64) @ np.asarray(wb.astype(jnp.float32), np.float64).T\n"
             "    assert np.abs(yb - exact).max() <= 2e-6 * np.sqrt(K) * np.abs(exact).max(), ('bf16', rows, K, N)\n"
+            "from dspark_jax.models import decoder\n"
+            "for B, T, H, Hkv, D, S in [(1, 1, 9, 3, 64, 384), (3, 8, 9, 3, 64, 2176), (32, 1, 9, 3, 64, 512),\n"
+            "                           (2, 5, 8, 2, 128, 80), (2, 3, 4, 1, 256, 48)]:\n"
+            "    q, k_t, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in\n"
+            "                 ((B, T, H, D), (B, Hkv, D, S), (B, Hkv, S, D)))\n"
+            "    q_pos = jnp.asarray(rng.integers(0, S - T, B)[:, None] + np.arange(T), jnp.int32)\n"
+            "    for window in (None, 7):\n"
+            "        w = None if window is None else jnp.int32(window)\n"
+            "        got = cpu_kernels.decode_attention(q, k_t, v, q_pos, 0.3, w)\n"
+            "        visible = decoder.key_visible(jnp.arange(S)[None, None, :], q_pos[:, :, None], w)\n"
+            "        want = decoder.attention(q, k_t, v, visible, 0.3)\n"
+            "        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)\n"
             "print('ok')")
     env = {**os.environ, "DSPARK_KERNEL_CACHE": str(tmp_path / "k"), "DSPARK_KERNEL_MARCH": "haswell",
            "JAX_PLATFORMS": "cpu"}

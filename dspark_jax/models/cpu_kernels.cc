@@ -4,6 +4,7 @@
 //   same with w stored as bf16 (widened to fp32 exactly as it is loaded, x and y fp32): half the bytes
 //   streamed, the same reduction order;
 // * dspark_decode_attention_f32: a few new tokens' attention over the KV cache (further below).
+// Both for AVX-512 (16 lanes) and AVX2 + FMA (8 lanes), through the small vector layer just below.
 //
 // Why the product: XLA:CPU's dot (and every library it calls) costs about twice a matrix-vector product once
 // M is 2-8 (it packs the weights per call), which made a speculative verify pass cost 2x a decode
@@ -255,38 +256,88 @@ DSPARK_MATMUL_HANDLER(dspark_matmul_bf16w, ffi::BF16)
 // positions [B, T], window [] -> out [B, T, H * D]. A key at position s is visible to a query at
 // position p iff p - window < s <= p. Each (row, kv head) reads only the keys its queries can see
 // (XLA:CPU reads the whole cache, or slices chunks of it at a cost of their own), in one task.
-// AVX-512 only (masked loads and vector exp); elsewhere dspark_attention_available() is 0.
+// Written once over the vector layer below (AVX-512: 16 lanes, 32 registers; AVX2 + FMA: 8 lanes,
+// 16 registers). Without AVX2 dspark_attention_available() is 0 and XLA's attention runs. The AVX2
+// build matters most for batched decoding (datagen at 32 rows): there XLA's masked pass reads the
+// whole padded cache of every row, 0.16 -> 0.5 s a SmolLM2 step from a 128- to a 1,024-key cache.
 
 extern "C" int dspark_attention_available() {
-#if defined(__AVX512F__)
-  return 1;
-#else
+#ifdef DSPARK_NO_VECTOR_KERNEL
   return 0;
+#else
+  return 1;
 #endif
 }
 
+#ifndef DSPARK_NO_VECTOR_KERNEL
+
 #if defined(__AVX512F__)
-
-// exp(x) for x <= 0 (softmax arguments), Cephes' polynomial, relative error ~1e-7.
-static inline __m512 vexp(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
+// Scores: SC vectors of keys per block for up to 6 query rows (24 accumulators + 4 keys of 32
+// registers); values: up to ACC accumulators, at most CV vectors of a value row at a time.
+constexpr int SC = 4, ACC = 24, CV = 16;
+typedef __mmask16 vmask;
+static inline vf vset1(float x) { return _mm512_set1_ps(x); }
+static inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline float vmax_all(vf v) { return _mm512_reduce_max_ps(v); }
+static inline vf vmax_where(vmask k, vf m, vf x) { return _mm512_mask_max_ps(m, k, m, x); }  // k ? max(m, x) : m
+static inline vf vzero_unless(vmask k, vf x) { return _mm512_maskz_mov_ps(k, x); }
+static inline vmask in_range(int64_t s, int64_t lo, int64_t hi) {  // lanes s..s+15 within [lo, hi)
+  const __m512i lane = _mm512_add_epi32(_mm512_set1_epi32(int32_t(s)),
+                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  return _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(int32_t(lo))) &
+         _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(int32_t(hi)));
 }
+static inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT); }
+static inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
+static inline vf vclamp(vf x, float lo, float hi) { return _mm512_min_ps(_mm512_max_ps(x, vset1(lo)), vset1(hi)); }
+static inline vf vtimes_pow2(vf p, vf n) { return _mm512_scalef_ps(p, n); }
+#else  // AVX2 + FMA
+constexpr int SC = 2, ACC = 12, CV = 8;  // scores: 6 x 2 accumulators + 2 keys + 1 of 16 registers
+typedef __m256 vmask;  // all-ones lanes
+static inline vf vset1(float x) { return _mm256_set1_ps(x); }
+static inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline float vmax_all(vf v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+static inline vf vmax_where(vmask k, vf m, vf x) { return _mm256_blendv_ps(m, _mm256_max_ps(m, x), k); }
+static inline vf vzero_unless(vmask k, vf x) { return _mm256_and_ps(k, x); }
+static inline vmask in_range(int64_t s, int64_t lo, int64_t hi) {  // lanes s..s+7 within [lo, hi)
+  const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(int32_t(s)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32(int32_t(lo - 1))),
+                                              _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(hi)), lane)));
+}
+static inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vfnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+static inline vf vclamp(vf x, float lo, float hi) { return _mm256_min_ps(_mm256_max_ps(x, vset1(lo)), vset1(hi)); }
+static inline vf vtimes_pow2(vf p, vf n) {  // p * 2^n for integral n in [-126, 0]: n written into an exponent
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                                                  _mm256_set1_epi32(127)), 23)));
+}
+#endif
 
-static inline __mmask16 in_range(int64_t s, int64_t lo, int64_t hi) {  // lanes s..s+15 within [lo, hi)
-  uint32_t m = 0;
-  for (int l = 0; l < 16; ++l) m |= uint32_t(s + l >= lo && s + l < hi) << l;
-  return __mmask16(m);
+// exp(x) for softmax arguments (x <= 0; larger lanes, which the caller zeroes, are clamped to 0 so
+// that they stay finite), Cephes' polynomial, relative error ~1e-7.
+static inline vf vexp(vf x) {
+  x = vclamp(x, -87.0f, 0.0f);
+  const vf n = vround(vmul(x, vset1(1.44269504088896341f)));
+  vf r = vfnma(n, vset1(0.693359375f), x);
+  r = vfnma(n, vset1(-2.12194440e-4f), r);
+  vf p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  p = vfma(p, vmul(r, r), vadd(r, vset1(1.0f)));
+  return vtimes_pow2(p, n);
 }
 
 struct Attention {
@@ -297,68 +348,72 @@ struct Attention {
   float* out;
   int64_t B, T, H, Hkv, D, S;
 
-  // scores[r][s - a] = scale * q_r . k_s for rows r0..r0+RN, key blocks a..e (4 blocks at a time).
+  // scores[r][s - a] = scale * q_r . k_s for rows r0..r0+RN, keys a..e (SC vectors of keys at a time;
+  // e - a is a multiple of 16, so of VW).
   template <int RN>
   void scores(const float* const* qr, const float* K, float* sc, int64_t span, int64_t a, int64_t e) const {
     int64_t s = a;
-    for (; s + 64 <= e; s += 64) {
-      __m512 acc[RN][4];
-      for (int i = 0; i < RN; ++i) for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
+    for (; s + SC * VW <= e; s += SC * VW) {
+      vf acc[RN][SC];
+      for (int i = 0; i < RN; ++i) for (int c = 0; c < SC; ++c) acc[i][c] = vzero();
       for (int64_t d = 0; d < D; ++d) {
-        __m512 kv[4];
-        for (int c = 0; c < 4; ++c) kv[c] = _mm512_loadu_ps(K + d * S + s + 16 * c);
+        vf kv[SC];
+        for (int c = 0; c < SC; ++c) kv[c] = vload(K + d * S + s + VW * c);
         for (int i = 0; i < RN; ++i) {
-          __m512 qd = _mm512_set1_ps(qr[i][d]);
-          for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_fmadd_ps(qd, kv[c], acc[i][c]);
+          const vf qd = vset1(qr[i][d]);
+          for (int c = 0; c < SC; ++c) acc[i][c] = vfma(qd, kv[c], acc[i][c]);
         }
       }
       for (int i = 0; i < RN; ++i)
-        for (int c = 0; c < 4; ++c)
-          _mm512_storeu_ps(sc + i * span + (s - a) + 16 * c, _mm512_mul_ps(acc[i][c], _mm512_set1_ps(scale)));
+        for (int c = 0; c < SC; ++c) vstore(sc + i * span + (s - a) + VW * c, vmul(acc[i][c], vset1(scale)));
     }
-    for (; s < e; s += 16) {
-      __m512 acc[RN];
-      for (int i = 0; i < RN; ++i) acc[i] = _mm512_setzero_ps();
+    for (; s < e; s += VW) {
+      vf acc[RN];
+      for (int i = 0; i < RN; ++i) acc[i] = vzero();
       for (int64_t d = 0; d < D; ++d) {
-        __m512 kv = _mm512_loadu_ps(K + d * S + s);
-        for (int i = 0; i < RN; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(qr[i][d]), kv, acc[i]);
+        const vf kv = vload(K + d * S + s);
+        for (int i = 0; i < RN; ++i) acc[i] = vfma(vset1(qr[i][d]), kv, acc[i]);
       }
-      for (int i = 0; i < RN; ++i) _mm512_storeu_ps(sc + i * span + (s - a), _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
+      for (int i = 0; i < RN; ++i) vstore(sc + i * span + (s - a), vmul(acc[i], vset1(scale)));
     }
   }
 
-  // out_r = sum_s p_r[s] v_s / denom_r for rows r0..r0+RN (p is zero outside a row's keys).
+  // out_r[c0 : c0 + DV * VW] = sum_s p_r[s] v_s[c0 : ...] / denom_r for rows r0..r0+RN (p is zero
+  // outside a row's keys).
   template <int DV, int RN>
-  void values(const float* sc, int64_t span, int64_t a, int64_t lo, int64_t hi, const float* V, const float* inv,
-              float* const* outr) const {
-    __m512 acc[RN][DV];
-    for (int i = 0; i < RN; ++i) for (int j = 0; j < DV; ++j) acc[i][j] = _mm512_setzero_ps();
+  void values(const float* sc, int64_t span, int64_t a, int64_t lo, int64_t hi, const float* V, int64_t c0,
+              const float* inv, float* const* outr) const {
+    vf acc[RN][DV];
+    for (int i = 0; i < RN; ++i) for (int j = 0; j < DV; ++j) acc[i][j] = vzero();
     for (int64_t s = lo; s < hi; ++s) {
-      __m512 vv[DV];
-      for (int j = 0; j < DV; ++j) vv[j] = _mm512_loadu_ps(V + s * D + 16 * j);
+      vf vv[DV];
+      for (int j = 0; j < DV; ++j) vv[j] = vload(V + s * D + c0 + VW * j);
       for (int i = 0; i < RN; ++i) {
-        __m512 p = _mm512_set1_ps(sc[i * span + (s - a)]);
-        for (int j = 0; j < DV; ++j) acc[i][j] = _mm512_fmadd_ps(p, vv[j], acc[i][j]);
+        const vf p = vset1(sc[i * span + (s - a)]);
+        for (int j = 0; j < DV; ++j) acc[i][j] = vfma(p, vv[j], acc[i][j]);
       }
     }
     for (int i = 0; i < RN; ++i)
-      for (int j = 0; j < DV; ++j) _mm512_storeu_ps(outr[i] + 16 * j, _mm512_mul_ps(acc[i][j], _mm512_set1_ps(inv[i])));
+      for (int j = 0; j < DV; ++j) vstore(outr[i] + c0 + VW * j, vmul(acc[i][j], vset1(inv[i])));
   }
 
+  // Every row's values, DV vectors of columns at a time, RG rows at a time (RG x DV accumulators).
   template <int DV>
   void values_rows(const float* sc, int64_t span, int64_t a, const int64_t* lo, const int64_t* hi, const float* V,
                    const float* inv, float* const* outr, int64_t R) const {
-    constexpr int RG = DV >= 24 ? 1 : 24 / DV;  // accumulators: RG x DV of the 32 vector registers
-    for (int64_t r0 = 0; r0 < R; r0 += RG) {
-      const int64_t rn = std::min<int64_t>(RG, R - r0);
-      int64_t l = lo[r0], h = hi[r0];
-      for (int64_t i = 1; i < rn; ++i) l = std::min(l, lo[r0 + i]), h = std::max(h, hi[r0 + i]);
-      const float* scr = sc + r0 * span;
-      switch (rn) {
-#define DSPARK_ROWS(n) case n: if constexpr (n <= RG) values<DV, n>(scr, span, a, l, h, V, inv + r0, outr + r0); break;
-        DSPARK_ROWS(1) DSPARK_ROWS(2) DSPARK_ROWS(3) DSPARK_ROWS(4) DSPARK_ROWS(5) DSPARK_ROWS(6)
+    constexpr int RG = DV >= ACC ? 1 : std::min(6, ACC / DV);
+    for (int64_t c0 = 0; c0 < D; c0 += DV * VW) {
+      for (int64_t r0 = 0; r0 < R; r0 += RG) {
+        const int64_t rn = std::min<int64_t>(RG, R - r0);
+        int64_t l = lo[r0], h = hi[r0];
+        for (int64_t i = 1; i < rn; ++i) l = std::min(l, lo[r0 + i]), h = std::max(h, hi[r0 + i]);
+        const float* scr = sc + r0 * span;
+        switch (rn) {
+#define DSPARK_ROWS(n) case n: if constexpr (n <= RG) values<DV, n>(scr, span, a, l, h, V, c0, inv + r0, outr + r0); break;
+          DSPARK_ROWS(1) DSPARK_ROWS(2) DSPARK_ROWS(3) DSPARK_ROWS(4) DSPARK_ROWS(5) DSPARK_ROWS(6)
 #undef DSPARK_ROWS
-        default: break;
+          default: break;
+        }
       }
     }
   }
@@ -396,19 +451,18 @@ struct Attention {
     std::vector<float> inv(R);
     for (int64_t r = 0; r < R; ++r) {  // softmax over the row's own keys; zero elsewhere
       float* row = sc.data() + r * span;
-      __m512 m = _mm512_set1_ps(-INFINITY);
-      for (int64_t s = a; s < e; s += 16)
-        m = _mm512_mask_max_ps(m, in_range(s, lo[r], hi[r]), m, _mm512_loadu_ps(row + (s - a)));
-      const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t s = a; s < e; s += 16) {
-        __m512 pr = _mm512_maskz_mov_ps(in_range(s, lo[r], hi[r]), vexp(_mm512_sub_ps(_mm512_loadu_ps(row + (s - a)), mx)));
-        _mm512_storeu_ps(row + (s - a), pr);
-        sum = _mm512_add_ps(sum, pr);
+      vf m = vset1(-INFINITY);
+      for (int64_t s = a; s < e; s += VW) m = vmax_where(in_range(s, lo[r], hi[r]), m, vload(row + (s - a)));
+      const vf mx = vset1(vmax_all(m));
+      vf sum = vzero();
+      for (int64_t s = a; s < e; s += VW) {
+        const vf pr = vzero_unless(in_range(s, lo[r], hi[r]), vexp(vsub(vload(row + (s - a)), mx)));
+        vstore(row + (s - a), pr);
+        sum = vadd(sum, pr);
       }
-      inv[r] = 1.0f / _mm512_reduce_add_ps(sum);
+      inv[r] = 1.0f / vsum(sum);
     }
-    switch (D / 16) {
+    switch (std::min<int64_t>(D / VW, CV)) {
       case 4: values_rows<4>(sc.data(), span, a, lo.data(), hi.data(), V, inv.data(), outr.data(), R); break;
       case 8: values_rows<8>(sc.data(), span, a, lo.data(), hi.data(), V, inv.data(), outr.data(), R); break;
       case 16: values_rows<16>(sc.data(), span, a, lo.data(), hi.data(), V, inv.data(), outr.data(), R); break;
@@ -434,7 +488,7 @@ static ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 
 static ffi::Error DecodeAttention(ffi::ThreadPool, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
                                   ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>, ffi::ResultBuffer<ffi::F32>, float) {
-  return ffi::Error(ffi::ErrorCode::kUnimplemented, "dspark_decode_attention_f32 needs AVX-512");
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, "dspark_decode_attention_f32 needs AVX2 or AVX-512");
 }
 
 #endif
