@@ -108,6 +108,34 @@ def test_packed_forward_matches_each_sequence_alone():
         start += len(s)
 
 
+def test_packed_rows_longer_than_an_attention_block_match_each_sequence_alone():
+    """Rows of 300 slots: sequences span several of the packed attention's 128-token key blocks
+    and straddle block edges; a row boundary falls inside a block of the flattened rows."""
+    params = decoder.init_params(CFG, jax.random.key(4), scale=0.1)
+    rng = np.random.default_rng(4)
+    # The third row starts 88 slots into a block; its block from slot 896 needs 4 key blocks back.
+    lengths = [(299,), (130, 100, 60), (299,)]
+    S = 300
+    tokens, positions, segments = (np.zeros((len(lengths), S), np.int32) for _ in range(3))
+    seqs = []
+    for b, row in enumerate(lengths):
+        start = 0
+        for i, n in enumerate(row):
+            seqs.append((b, start, rng.integers(1, CFG.vocab_size, size=n).tolist()))
+            tokens[b, start:start + n] = seqs[-1][2]
+            positions[b, start:start + n] = np.arange(n)
+            segments[b, start:start + n] = i + 1
+            start += n
+    hidden, taps = decoder.forward_packed(params, CFG, jnp.asarray(tokens), jnp.asarray(positions),
+                                          jnp.asarray(segments), tap_layers=(1,))
+    for b, start, s in seqs:
+        cache = decoder.init_cache(CFG, 1, len(s))
+        h_alone, _, taps_alone = decoder.forward(params, CFG, jnp.asarray([s]), cache, jnp.array([len(s)]), (1,))
+        np.testing.assert_allclose(np.asarray(hidden[b, start:start + len(s)]), np.asarray(h_alone[0]), atol=2e-5)
+        np.testing.assert_allclose(np.asarray(taps[:, b, start:start + len(s)]), np.asarray(taps_alone[:, 0]),
+                                   atol=2e-5)
+
+
 def test_one_row_decode_steps_match_full_prefill_with_bf16_weights():
     """A single row decoding token by token: every product has one row, which bf16 weights run as
     two on a CPU; the logits must be the full prefill's."""

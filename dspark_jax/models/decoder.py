@@ -463,7 +463,8 @@ def chunked_attention(q: jax.Array, k_t: jax.Array, v: jax.Array, q_positions: j
 
 
 def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, positions: jax.Array,
-                      valid: jax.Array, scale: float | None = None, window=None, chunk: int = 128) -> jax.Array:
+                      valid: jax.Array, scale: float | None = None, window=None, chunk: int = 128,
+                      span: int | None = None) -> jax.Array:
     """Causal attention of a prefill's flattened tokens among themselves (every row's cache empty).
 
     q [N, H, D], k, v [N, Hkv, D] as projected; rows, positions [N]; valid [N] bool. Each row's
@@ -471,9 +472,11 @@ def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array,
     so token n sees exactly the flat tokens m <= n of its own row (within `window`). -> [N, H*D].
 
     Query blocks of `chunk` tokens visit key blocks from the one holding their earliest row's first
-    token up to their own (nested `fori_loop`s over a running softmax): the cost follows the tokens
+    token up to their own (nested scans over a running softmax): the cost follows the tokens
     and each prompt's length, not rows x longest prompt x cache as in the padded per-row layout
-    (32 chat prompts: ~10x fewer scores)."""
+    (32 chat prompts: ~10x fewer scores). span (static), for reverse differentiation (training's
+    packed rows): the most key blocks a query block can need (rows of at most L tokens:
+    ceil((L - 1) / chunk) + 1), visited by a loop of static length."""
     N, H, D = q.shape
     kv_heads = k.shape[1]
     G = H // kv_heads
@@ -491,22 +494,31 @@ def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array,
     q_index = jnp.repeat(index.reshape(nb, C), G, axis=1)[:, None, :, None]  # [nb, 1, C*G, 1], rows (t, g)
     q_row = jnp.repeat(rows.reshape(nb, C), G, axis=1)[:, None, :, None]
     scale = D ** -0.5 if scale is None else scale
+    span = None if span is None else min(nb, span)
 
-    def query_block(c, out):
+    def query_block(_, c):
         first_key = row_start[c * C] if window is None else jnp.maximum(row_start[c * C], c * C - window + 1)
         qi, qr = q_index[c], q_row[c]
 
-        def visit(j, state):
+        def fold(state, j):
             key_index = j * C + jnp.arange(C, dtype=jnp.int32)
             visible = (key_index <= qi) & (rows[key_index] == qr) & valid[key_index]
             if window is not None:
                 visible &= key_index > qi - window
             return softmax_fold(state, qb[c], kb[j], vb[j], visible, scale)
 
-        state = jax.lax.fori_loop(first_key // C, c + 1, visit, softmax_start((kv_heads, C * G), D))
-        return out.at[c].set(softmax_result(state))
+        start = softmax_start((kv_heads, C * G), D)
+        if span is None:
+            state = jax.lax.fori_loop(first_key // C, c + 1, lambda j, state: fold(state, j), start)
+        else:  # static loop bounds, so reverse-differentiable: key blocks before the row's first are skipped
+            def visit(state, t):
+                j = c - span + 1 + t
+                return jax.lax.cond(j >= first_key // C, fold, lambda state, j: state, state, j), None
 
-    out = jax.lax.fori_loop(0, nb, query_block, jnp.zeros((nb, kv_heads, C * G, D), jnp.float32))
+            state, _ = jax.lax.scan(visit, start, jnp.arange(span))
+        return None, softmax_result(state)
+
+    _, out = jax.lax.scan(query_block, None, jnp.arange(nb))
     return ungrouped(out, C).reshape(nb * C, H * D)[:N].astype(q.dtype)
 
 
@@ -649,14 +661,24 @@ def forward_packed(
     tokens, positions, segment_ids: [B, S]. A token attends causally to earlier slots of its own
     segment only; RoPE uses its position within its own sequence. Returns (hidden, taps).
     """
-    S = tokens.shape[1]
-    slot = jnp.arange(S)
-    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
+    B, S = tokens.shape
+    segment_ids = jnp.asarray(segment_ids)
+    # Attention runs over the flattened rows, each packed sequence as one prefill "row"
+    # (`prefill_attention`): query blocks visit only the key blocks of their own sequences, not the
+    # whole [S, S] square of a row (4 rows of 1,024 tokens, SmolLM2-135M: 1.7x the tokens/s).
+    index = jnp.arange(B * S, dtype=jnp.int32)
+    sequence = (jnp.arange(B, dtype=jnp.int32)[:, None] * (S + 1) + segment_ids).reshape(-1)
+    first = jnp.concatenate([jnp.ones((1,), bool), sequence[1:] != sequence[:-1]])
+    # Slot offset within the sequence (slot distance is position distance within a segment).
+    offset = index - jax.lax.cummax(jnp.where(first, index, 0))
+    valid = segment_ids.reshape(-1) > 0
+    chunk = 128
 
     def attend(lp, q, k, v, carry, i):
-        # Within a segment slots are consecutive positions, so slot distance is position distance.
-        visible = key_visible(slot[None, None, :], slot[None, :, None], layer_window(cfg, i)) & same_segment
-        return attention(q, transposed_keys(k), heads_major(v), visible, cfg.attention_scale), carry
+        flat = [a.reshape((B * S,) + a.shape[2:]) for a in (q, k, v)]
+        out = prefill_attention(*flat, sequence, offset, valid, cfg.attention_scale, layer_window(cfg, i),
+                                chunk=chunk, span=-(-(S - 1) // chunk) + 1)
+        return out.reshape(B, S, -1), carry
 
     cos, sin = rope_tables(cfg, positions)
     x = embed(params, cfg, tokens)
