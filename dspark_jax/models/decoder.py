@@ -41,6 +41,7 @@ from dspark_jax.models.config import ModelConfig
 
 
 LAYOUTS = ("stacked", "per_layer")
+PACKED_ATTENTION_BLOCK = 128  # tokens per query / key block of `forward_packed`'s attention
 
 
 def default_layout() -> str:
@@ -672,7 +673,7 @@ def forward_packed(
     # Slot offset within the sequence (slot distance is position distance within a segment).
     offset = index - jax.lax.cummax(jnp.where(first, index, 0))
     valid = segment_ids.reshape(-1) > 0
-    chunk = 128
+    chunk = PACKED_ATTENTION_BLOCK
 
     def attend(lp, q, k, v, carry, i):
         flat = [a.reshape((B * S,) + a.shape[2:]) for a in (q, k, v)]

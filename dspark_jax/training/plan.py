@@ -29,12 +29,12 @@ dimension the mesh axis does not divide stays replicated) and adds up, per devic
   gamma] (fp32 softmax plus the compute-dtype copy the value einsum reads), and the vocabulary-wide
   fp32 arrays of the loss (log q; with a TV term also q, p and sign(q - p)); plus the largest
   transient of the step: the target's forward pass (online features: the fp32 taps and last hidden
-  state, one layer's dense [heads, seq_len, seq_len] scores and probabilities and its MLP), one
+  state, one layer's attention output, one block pair's scores and probabilities, and its MLP), one
   draft layer's attention gradients, or the loss's logits and their gradients. Tensors with a
   heads / kv_heads / mlp / vocab dimension are divided by the tensor axis when it divides them
   (the weights' sharding propagates to them); the residual stream is replicated across it.
-  Against XLA:CPU's buffer assignment of the compiled step (tests/test_plan.py): 0.99x on one
-  device at the Qwen3-8B shapes, 0.84-0.91x with 4- and 8-way tensor parallelism (collective
+  Against XLA:CPU's buffer assignment of the compiled step (tests/test_plan.py): 1.25x on one
+  device at the Qwen3-8B shapes, 0.76x / 0.75x with 4- and 8-way tensor parallelism (collective
   buffers are not counted), 1.2-1.4x for small shapes. Leave a margin.
 
 FLOPs per step count what the step computes, padding included (the shapes are fixed): the drafter's
@@ -42,8 +42,9 @@ matmuls over blocks_per_row x block_size block slots per row (forward + backward
 a matmul whose weights and input both need gradients, 2 x for the frozen LM head and for fc, whose
 input is a constant), its attention over the row's seq_len context keys plus the block's own (the
 masked keys are computed too), the target's LM head at the block slots (forward only), and with
-online features the target's forward over every token (2 x matmul params x tokens plus its dense
-seq_len^2 attention). `step_seconds = flops / (devices x peak x mfu)`; the MFU is an assumption,
+online features the target's forward over every token (2 x matmul params x tokens plus its
+attention by 128-token blocks, counted as if one sequence filled each row: `target_matmuls` and
+`target_attention`). `step_seconds = flops / (devices x peak x mfu)`; the MFU is an assumption,
 not a measurement.
 
 Shapes-only target: `target_model_config(spec)` reads a Hugging Face folder's config.json, a GGUF
@@ -238,7 +239,7 @@ def training_plan(cfg: TrainConfig, num_devices: int, target: ModelConfig | None
         acts, flops = _eagle3_row(cfg, dcfg, S, NB, cd, th, tkv, tf, tv)
     else:
         acts, flops = _dspark_row(cfg, dcfg, S, NB, g, cd, th, tkv, tf, tv)
-    tgt_flops, tgt_transient = _target_row(target, S, m, cached, td, tensor)  # activations in the load dtype too
+    tgt_matmuls, tgt_attention, tgt_transient = _target_row(target, S, m, cached, td, tensor)  # activations in the load dtype too
     per_row = acts["saved"] + max(acts["transient"], tgt_transient)
     activation_bytes = rows_dev * per_row
 
@@ -254,7 +255,7 @@ def training_plan(cfg: TrainConfig, num_devices: int, target: ModelConfig | None
     }
     memory["total"] = sum(memory.values())
     drafter_flops = step_rows * sum(flops.values())
-    target_flops = step_rows * tgt_flops
+    target_flops = step_rows * (tgt_matmuls + tgt_attention)
     plan = {
         "target": {"name": target_name, "shapes_from": source, "params": target_params, "dtype": target_dtype,
                    "layout": layout, **{k: getattr(target, k) for k in ("num_layers", "hidden_size", "vocab_size")}},
@@ -271,8 +272,8 @@ def training_plan(cfg: TrainConfig, num_devices: int, target: ModelConfig | None
                   "batch_replicated": dp > 1 and dp_split == 1},
         "memory_per_device": memory,
         "activation_bytes_per_row": per_row,
-        "flops_per_step": {**{k: step_rows * v for k, v in flops.items()}, "target_forward": target_flops,
-                           "total": drafter_flops + target_flops},
+        "flops_per_step": {**{k: step_rows * v for k, v in flops.items()}, "target_matmuls": step_rows * tgt_matmuls,
+                           "target_attention": step_rows * tgt_attention, "total": drafter_flops + target_flops},
     }
     if accelerator is not None:
         plan["accelerator"] = accelerator_estimate(plan, accelerator, mfu)
@@ -335,21 +336,27 @@ def _eagle3_row(cfg: TrainConfig, dcfg, S: int, NB: int, cd: int, th: int, tkv: 
     return {"saved": int(saved), "transient": int(transient)}, flops
 
 
-def _target_row(target: ModelConfig, S: int, m: int, cached: bool, ab: int, tensor: int) -> tuple[int, int]:
-    """(forward FLOPs, transient activation bytes) of the frozen target over one packed row; (0, 0)
-    with cached features. Its activations are in the target's own dtype (float32 in `train`)."""
+def _target_row(target: ModelConfig, S: int, m: int, cached: bool, ab: int, tensor: int) -> tuple[int, int, int]:
+    """(matmul FLOPs, attention FLOPs, transient activation bytes) of the frozen target's forward over one
+    packed row; zeros with cached features. Its activations are in the target's own dtype (float32
+    in `train`). The attention (`decoder.forward_packed`) runs by blocks of C tokens, a query block
+    visiting the key blocks from its sequence's first to its own: with one sequence filling a row
+    (the most), (S / C) (S / C + 1) / 2 block pairs, S (S + C) / 2 scores."""
+    from dspark_jax.models.decoder import PACKED_ATTENTION_BLOCK as C
+
     if cached:
-        return 0, 0
+        return 0, 0, 0
     L, d, H, Hkv, D, f = (target.num_layers, target.hidden_size, target.num_heads, target.num_kv_heads,
                           target.head_dim, target.intermediate_size)
     q, kv = H * D, Hkv * D
     layer_matmul = d * (q + 2 * kv) + q * d + 3 * d * f
-    flops = L * (2 * S * layer_matmul + 4 * S * S * q)  # dense masked attention: every [S, S] score is computed
+    attention = L * 4 * q * S * (S + C) // 2  # q k^T and p v over the visited block pairs
     th, tkv, tf = _shard(q, tensor), _shard(kv, tensor), _shard(f, tensor)
     features = (m + 1) * S * d * ab  # the taps and the last hidden state, kept for the drafter
-    layer = (S * S * (2 * 4 * H / th + 1)  # fp32 scores and probabilities, the visibility mask
+    layer = (C * C * 2 * 4 * H / th  # fp32 scores and probabilities of one block pair
+             + S * q / th * 4  # the fp32 attention output of the row's query blocks
              + S * (4 * d + q / th + 2 * kv / tkv + 3 * f / tf) * ab)
-    return int(flops), int(features + layer)
+    return int(L * 2 * S * layer_matmul), int(attention), int(features + layer)
 
 
 def accelerator_estimate(plan: dict, accelerator: str, mfu: float = DEFAULT_MFU) -> dict:
@@ -403,10 +410,11 @@ def format_plan(plan: dict) -> str:
               "activations": "activations (estimate, one micro-batch)", "total": "total"}
     for k, label in labels.items():
         lines.append(f"  {label:<44} {_gb(mem[k]):>14}")
+    target = fl["target_matmuls"] + fl["target_attention"]
     scale, unit = next((s, u) for s, u in ((1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"), (1, "FLOP"))
                        if fl["total"] >= s or s == 1)
     lines.append(f"FLOPs per step: {fl['total'] / scale:,.2f} {unit} (drafter "
-                 f"{(fl['total'] - fl['target_forward']) / scale:,.2f}, target forward {fl['target_forward'] / scale:,.2f})")
+                 f"{(fl['total'] - target) / scale:,.2f}, target forward {target / scale:,.2f})")
     acc = plan.get("accelerator")
     if acc:
         lines.append(f"{acc['name']}: {_gb(acc['hbm_bytes'])} HBM per chip -> "
