@@ -144,3 +144,19 @@ def test_one_row_decode_steps_match_full_prefill_with_bf16_weights():
     got = run_schedule(params, CFG, [seq], [[6]] + [[1]] * 14)
     ours = np.stack([got[0][i] for i in range(len(seq))])
     np.testing.assert_allclose(ours, reference_logits(params, CFG, seq), atol=2e-5, rtol=0)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the rotary tables are fenced on a CPU only")
+def test_rotary_tables_are_computed_once_per_pass():
+    """XLA:CPU would otherwise evaluate cos and sin inside every layer's q and k rotation, per head
+    and element (`decoder._materialized`): a decode pass computes each table once."""
+    cfg = dataclasses.replace(CFG, num_layers=3)
+    params = decoder.with_layout(decoder.init_params(cfg, jax.random.key(0), scale=0.1), cfg, "per_layer")
+    cache = decoder.init_cache(cfg, 2, 32)
+
+    def step(params, cache, tokens):
+        return decoder.forward(params, cfg, tokens, cache, jnp.array([4, 3]))[0]
+
+    hlo = jax.jit(step).lower(params, cache, jnp.zeros((2, 4), jnp.int32)).compile().as_text()
+    # one of each per branch of the fence; without it, one per layer for q and one for k (6)
+    assert hlo.count(" cosine(") <= 2 and hlo.count(" sine(") <= 2

@@ -304,12 +304,24 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.
     stacked, [2, B, T, 1, head_dim/2] (full layers', local layers'); `layer_rope` picks."""
     def table(inv_freq):
         angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
-        return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+        return _materialized(lambda a: (jnp.cos(a)[:, :, None, :], jnp.sin(a)[:, :, None, :]), angles)
 
     if not cfg.local_rope:
         return table(cfg.rope_inv_freq())
     (cos, sin), (cos_l, sin_l) = table(cfg.rope_inv_freq()), table(cfg.rope_inv_freq(local=True))
     return jnp.stack([cos, cos_l]), jnp.stack([sin, sin_l])
+
+
+def _materialized(fn, x):
+    """fn(x), computed once into arrays of its own on a CPU. XLA:CPU fuses an elementwise producer
+    into each of its consumers and evaluates it per consumer element: the rotary tables' cos and
+    sin ran in every layer's q and k rotation, per head (60 cos and 60 sin per SmolLM2 pass; a
+    fifth of an 8-token verify pass's elementwise time). A conditional's results are buffers that
+    no fusion reaches into; both branches are fn, so the (runtime) predicate changes nothing.
+    Elsewhere, fn(x) as it is: XLA's GPU and TPU fusions recompute such producers cheaply."""
+    if jax.default_backend() != "cpu":
+        return fn(x)
+    return jax.lax.cond(x.reshape(-1)[0] == x.reshape(-1)[0], fn, fn, x)
 
 
 def layer_pick(cfg: ModelConfig, i, full, local):
