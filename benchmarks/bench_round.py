@@ -14,16 +14,27 @@ Rows (batch 1, SmolLM2-135M with the shipped drafter in each --dtypes, medians o
 * `verify + commit`: the verify pass over the anchor + gamma drafts, acceptance, cache commit;
 * `round`: a whole round as the engine runs it (host round trip included).
 The ratio `forward T=8 / forward T=1` is the cost of verifying 7 drafts relative to a plain step.
+
+--profile adds, per layout and dtype, where `forward T=1`, `forward T=8`, `draft` and `verify + commit`
+spend their time:
+a `jax.profiler` trace of a few executions, each op's time summed by kind (our kernels' products by
+weight shape, the decode attention, XLA's own ops).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import functools
+import glob
+import gzip
+import json
 import os
+import re
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -46,10 +57,53 @@ def median_ms(run, make, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def forward_ms(target, tokens: int, context: int, cache_len: int, repeats: int, batch: int = 1) -> float:
-    """The target's extend pass over `tokens` new tokens per row for `batch` rows at `context`
-    committed tokens (cache donated), LM head and argmax on the last position: a plain decode step
-    for tokens=1."""
+def op_kinds(program) -> dict[str, str]:
+    """{HLO instruction name: kind} for a compiled program's top-level instructions: our products
+    named by their weight's shape and dtype, our decode attention, and everything else as XLA's."""
+    kinds = {}
+    for line in program.as_text().splitlines():
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = ", line)
+        if not m:
+            continue
+        kind = "XLA ops (fusions, copies, reductions)"
+        target = re.search(r'custom_call_target="([^"]+)"', line)
+        if target and target.group(1).startswith("dspark_matmul"):
+            shapes = re.findall(r"(\w+)\[([\d,]*)\]", line.split("operand_layout_constraints=", 1)[-1])
+            dtype, dims = shapes[1] if len(shapes) > 1 else ("?", "?")
+            kind = f"product, weights {dtype}[{dims}]"
+        elif target and target.group(1).startswith("dspark_decode_attention"):
+            kind = "decode attention (our kernel)"
+        kinds.setdefault(m.group(1), kind)
+    return kinds
+
+
+def op_profile(program, make, runs: int = 5) -> dict[str, dict]:
+    """{kind: {"ms": per execution, "calls": per execution}} of `program` (jax.stages.Compiled) over
+    `runs` traced executions on inputs from make() (made before the trace, untraced)."""
+    import jax
+
+    kinds = op_kinds(program)
+    inputs = [make() for _ in range(runs)]
+    jax.block_until_ready(inputs)
+    with tempfile.TemporaryDirectory() as folder:
+        jax.profiler.start_trace(folder)
+        for args in inputs:
+            jax.block_until_ready(program(*args))
+        jax.profiler.stop_trace()
+        traces = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)
+        with gzip.open(traces[0]) as f:
+            events = json.load(f)["traceEvents"]
+    total, calls = collections.Counter(), collections.Counter()
+    for e in events:
+        kind = kinds.get(e.get("name")) if e.get("ph") == "X" else None
+        if kind:
+            total[kind] += e["dur"] / 1e3 / runs
+            calls[kind] += 1 / runs
+    return {k: {"ms": total[k], "calls": calls[k]} for k, _ in total.most_common()}
+
+
+def forward_program(target, tokens: int, context: int, cache_len: int, batch: int = 1):
+    """(compiled step, make) for the target's extend pass: see forward_ms."""
     import jax
     import jax.numpy as jnp
 
@@ -67,23 +121,33 @@ def forward_ms(target, tokens: int, context: int, cache_len: int, repeats: int, 
         cache = dataclasses.replace(cache, lengths=jnp.full((batch,), context, jnp.int32))
         return params, cache, jnp.ones((batch, tokens), jnp.int32)
 
-    return median_ms(step, make, repeats)
+    return step.lower(*make()).compile(), make
 
 
-def round_ms(target, drafter, context: int, repeats: int, batch: int = 1) -> dict:
+def forward_ms(target, tokens: int, context: int, cache_len: int, repeats: int, batch: int = 1) -> float:
+    """The target's extend pass over `tokens` new tokens per row for `batch` rows at `context`
+    committed tokens (cache donated), LM head and argmax on the last position: a plain decode step
+    for tokens=1."""
+    return median_ms(*forward_program(target, tokens, context, cache_len, batch), repeats)
+
+
+def round_ms(target, drafter, context: int, repeats: int, batch: int = 1, profile: dict | None = None) -> dict:
     """Draft, verify + commit and the whole round for `batch` rows (the same prompt), fixed gamma =
-    the block size, greedy. `drafter`: anything with .config and .params."""
+    the block size, greedy. `drafter`: anything with .config and .params. With `profile` (a dict),
+    profile["draft"] and profile["verify + commit"] get their `op_profile`."""
     import jax
     import jax.numpy as jnp
 
     from dspark_jax.engine.speculative import SpecConfig, round_program, spec_draft, spec_prefill, spec_verify
-    from dspark_jax.engine.generate import compiled
+    from dspark_jax.engine.generate import bucket, compiled
 
     tcfg, dcfg = target.config, drafter.config
     cfg = SpecConfig(gamma=dcfg.block_size)
     statics = dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg)
     max_new = (repeats + 2) * 3 * (cfg.gamma + 1)
-    max_len = context + max_new + cfg.gamma + 1
+    # the engine's cache length (`generate.pad_prompts`): a bucket, a multiple of 16 that our decode
+    # attention kernel needs (792 positions here would run XLA's attention in the verify pass)
+    max_len = bucket(context + max_new + cfg.gamma + 1, minimum=64)
     prompt = jnp.asarray([[(7 * i) % 1000 + 10 for i in range(context)]] * batch, jnp.int32)
 
     def fresh():
@@ -101,6 +165,8 @@ def round_ms(target, drafter, context: int, repeats: int, batch: int = 1) -> dic
         return (target.params, drafter.params, holder["state"], None)
 
     out["draft"] = median_ms(run_draft, draft_args, repeats)
+    if profile is not None:
+        profile["draft"] = op_profile(run_draft, draft_args)
 
     def verify(tp, dp, st, drafted):
         holder["state"], stats = run_verify(tp, dp, st, drafted)
@@ -108,6 +174,12 @@ def round_ms(target, drafter, context: int, repeats: int, batch: int = 1) -> dic
 
     holder["state"] = fresh()
     out["verify + commit"] = median_ms(verify, lambda: draft_args()[:3] + (run_draft(*draft_args()),), repeats)
+    if profile is not None:
+        def verify_args():  # a state of its own per execution: the verify pass donates it
+            state = fresh()
+            return target.params, drafter.params, state, run_draft(target.params, drafter.params, state, None)
+
+        profile["verify + commit"] = op_profile(run_verify, verify_args)
 
     def whole(tp, dp, st, temps):
         holder["state"], _ = run_round(tp, dp, st, temps)
@@ -116,6 +188,21 @@ def round_ms(target, drafter, context: int, repeats: int, batch: int = 1) -> dic
     holder["state"] = fresh()
     out["round"] = median_ms(whole, draft_args, repeats)
     return out
+
+
+def profile_markdown(results: list[dict]) -> str:
+    """One table per layout and dtype: ms per execution (calls) of each op kind, per profiled program."""
+    out = []
+    for r in results:
+        programs = list(r["profile"])
+        kinds = list(dict.fromkeys(k for p in programs for k in r["profile"][p]))
+        out += [f"\nWhere the time goes, {r['layout']}, {r['dtype']} (ms per execution, calls; a traced run of 5):\n",
+                "| op kind | " + " | ".join(programs) + " |", "|---|" + "---:|" * len(programs)]
+        for k in kinds:
+            cells = [r["profile"][p].get(k) for p in programs]
+            out.append(f"| {k} | " + " | ".join(f"{c['ms']:.2f} ({c['calls']:.0f})" if c else "-" for c in cells) + " |")
+        out.append("| sum | " + " | ".join(f"{sum(c['ms'] for c in r['profile'][p].values()):.2f}" for p in programs) + " |")
+    return "\n".join(out) + "\n"
 
 
 def main() -> None:
@@ -129,6 +216,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     ap.add_argument("--name", default="round", help="results file name")
+    ap.add_argument("--profile", action="store_true",
+                    help="also trace forward T=1 and T=8, the draft and the verify pass: time per op kind (products by weight shape, attention, XLA ops)")
     ap.add_argument("--xla-dot", action="store_true",
                     help="fp32 few-row products through XLA's dot instead of our CPU kernel (DSPARK_CPU_KERNELS=0)")
     args = ap.parse_args()
@@ -148,12 +237,17 @@ def main() -> None:
             row[f"forward T={n}"] = forward_ms(target, n, args.context, args.cache, args.repeats)
         long_cache = args.long_context + 128
         row["forward T=1, long"] = forward_ms(target, 1, args.long_context, long_cache, args.repeats)
-        row.update(round_ms(target, drafter, args.context, args.repeats))
+        profile = {} if args.profile else None
+        row.update(round_ms(target, drafter, args.context, args.repeats, profile=profile))
         row["verify 8 / decode 1"] = row["forward T=8"] / row["forward T=1"]
+        if args.profile:
+            for n in (1, 8):
+                profile[f"forward T={n}"] = op_profile(*forward_program(target, n, args.context, args.cache))
+            row["profile"] = profile
         results.append(row)
-        print(row, flush=True)
+        print({k: v for k, v in row.items() if k != "profile"}, flush=True)
 
-    keys = [k for k in results[0] if k not in ("layout", "dtype")]
+    keys = [k for k in results[0] if k not in ("layout", "dtype", "profile")]
     md = ["| ms (batch 1) | " + " | ".join(f"{r['layout']}, {r['dtype']}" for r in results) + " |",
           "|---|" + "---:|" * len(results)]
     for k in keys:
@@ -163,6 +257,8 @@ def main() -> None:
               f"{args.context} tokens in a {args.cache}-position cache (`long`: {args.long_context} in "
               f"{args.long_context + 128}); medians of {args.repeats}; nothing else ran on the machine.\n")
     md.append(products_note(args.xla_dot))
+    if args.profile:
+        md.append(profile_markdown(results))
     paths = write_results(args.name, {"rows": results, "context": args.context, "cache": args.cache},
                           "\n".join(md), **({"directory": args.out} if args.out else {}))
     print("wrote", *paths)
