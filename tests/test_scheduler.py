@@ -442,3 +442,21 @@ def test_profile_sps_with_sleeps():
     assert table.buckets == (1, 2, 4, 8) and len(table.sps) == 4 and table.device == "cpu"
     assert all(np.isfinite(table.sps)) and all(s > 0 for s in table.sps)
     assert min(table.sps[:2]) > max(table.sps[2:])  # the clearly slower buckets get a lower SPS
+
+
+def test_sps_code_tag_follows_the_decoding_code(tmp_path, monkeypatch):
+    """A cached table's key holds a hash of the code a round runs (`sps.code_tag`): another version
+    of any of those modules gets a table of its own instead of the old one's costs."""
+    from dspark_jax.engine import sps
+
+    for name, body in (("round_mod_a", "x = 1\n"), ("round_mod_b", "y = 2\n")):
+        (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sps, "_ROUND_MODULES", ("round_mod_a", "round_mod_b"))
+    sps.code_tag.cache_clear()
+    before = sps.code_tag()
+    (tmp_path / "round_mod_b.py").write_text("y = 3\n")
+    sps.code_tag.cache_clear()
+    after = sps.code_tag()
+    sps.code_tag.cache_clear()
+    assert before != after and len(before) == 8

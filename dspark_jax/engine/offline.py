@@ -146,7 +146,7 @@ def sps_table(args, target, dcfg, dparams, gamma, max_len, buckets):
     import jax.numpy as jnp
 
     from dspark_jax.engine.speculative import profile_verify
-    from dspark_jax.engine.sps import SPSTable, device_kind, load_sps_table, save_sps_table
+    from dspark_jax.engine.sps import SPSTable, code_tag, device_kind, load_sps_table, save_sps_table
     from dspark_jax.models import cpu_kernels, decoder
 
     # The draft cost is part of a round: the table belongs to the drafter's shape as well as the target's.
@@ -158,6 +158,7 @@ def sps_table(args, target, dcfg, dparams, gamma, max_len, buckets):
     # Verify passes through our CPU kernels cost about half what they cost through XLA's dot, and
     # each version of the kernels has its own costs.
     products = f"_rowkernel-{cpu_kernels.source_tag()}" if cpu_kernels.active() else ""
+    products += f"_code-{code_tag()}"  # and so does each version of the decoding code
     model = (f"{target.name}:{target.config.num_layers}x{target.config.hidden_size}:{target.weight_dtype}{products}:"
              f"{layout}+{drafter}:kv{max_len}")
     path = args.sps_table or os.path.join(".dspark_cache", f"sps_{target.name}_{layout}{weights}{products}_{drafter}_"

@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
+import hashlib
+import importlib.util
 import math
 import os
 import statistics
@@ -150,6 +153,23 @@ def sps_of(table: SPSTable, n):
     if isinstance(n, jax.Array):
         return sps_lookup(jnp.asarray(table.buckets, jnp.int32), jnp.asarray(table.sps, jnp.float32), n)
     return sps_lookup(np.asarray(table.buckets, np.int64), np.asarray(table.sps, np.float32), n)
+
+
+# The modules whose code a round runs, besides the CPU kernels (`cpu_kernels.source_tag`).
+_ROUND_MODULES = ("dspark_jax.models.decoder", "dspark_jax.drafters.dspark", "dspark_jax.engine.drafting",
+                  "dspark_jax.engine.speculative")
+
+
+@functools.cache
+def code_tag() -> str:
+    """A short hash of the decoding code a round runs: part of a cached table's key, since a table
+    profiled under one version of that code misleads the scheduler under another (a change that
+    makes rounds cheaper leaves the old table pricing them at the old cost)."""
+    digest = hashlib.sha256()
+    for name in _ROUND_MODULES:
+        with open(importlib.util.find_spec(name).origin, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:8]
 
 
 def device_kind() -> str:
