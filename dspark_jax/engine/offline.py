@@ -155,13 +155,12 @@ def sps_table(args, target, dcfg, dparams, gamma, max_len, buckets):
     drafter += "".join(sorted({f"_{a.dtype}" for a in jax.tree.leaves(dparams) if a.dtype != jnp.float32}))
     layout = decoder.layout_of(target.params)
     weights = "" if target.weight_dtype == "float32" else f"_{target.weight_dtype}"
-    # Verify passes through our CPU kernels cost about half what they cost through XLA's dot, and
-    # each version of the kernels has its own costs.
-    products = f"_rowkernel-{cpu_kernels.source_tag()}" if cpu_kernels.active() else ""
-    products += f"_code-{code_tag()}"  # and so does each version of the decoding code
-    model = (f"{target.name}:{target.config.num_layers}x{target.config.hidden_size}:{target.weight_dtype}{products}:"
+    # Each version of the code a round runs has its own costs: our CPU kernels (verify passes through
+    # them cost about half what they cost through XLA's dot) and the decoding modules (`code_tag`).
+    code = (f"_rowkernel-{cpu_kernels.source_tag()}" if cpu_kernels.active() else "") + f"_code-{code_tag()}"
+    model = (f"{target.name}:{target.config.num_layers}x{target.config.hidden_size}:{target.weight_dtype}{code}:"
              f"{layout}+{drafter}:kv{max_len}")
-    path = args.sps_table or os.path.join(".dspark_cache", f"sps_{target.name}_{layout}{weights}{products}_{drafter}_"
+    path = args.sps_table or os.path.join(".dspark_cache", f"sps_{target.name}_{layout}{weights}{code}_{drafter}_"
                                           f"{device_kind().replace(' ', '_')}_b{args.batch_size}_g{gamma}_kv{max_len}.json")
     if path in _TABLES:
         return _TABLES[path]
