@@ -23,6 +23,7 @@ Writes <out>.md, <out>.json and <out>.png (speedup and tau per cell).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -170,23 +171,35 @@ def markdown(rows: list[dict], args, png: str) -> str:
 
 
 # What the default drafter and engine must deliver on this CPU (the product's speed goals): per
-# (batch, temperature, domains) the least speed-up over plain decoding.
-GOALS = ((1, 0.0, ("math", "code"), 1.5), (1, 0.0, ("chat",), 1.0), (1, 1.0, ("math", "code", "chat"), 1.0),
-         (8, None, ("math", "code", "chat"), 0.97))
+# (batch, temperature, domains) the least speed-up over plain decoding, of every cell ("each") or of
+# the cells' geometric mean ("mean"); and no cell anywhere under FLOOR (never slower than the target
+# alone, within this machine's noise).
+GOALS = ((1, 0.0, ("math", "code"), 1.5, "each"), (1, 0.0, ("chat",), 1.0, "each"),
+         (1, 1.0, ("math", "code", "chat"), 1.0, "each"), (8, None, ("math", "code", "chat"), 1.0, "mean"))
+FLOOR = 0.97
 
 
 def goal_lines(rows: list[dict]) -> list[str]:
-    """One line per speed goal this run measured: the cells it covers and whether each meets it."""
+    """One line per speed goal this run measured: the cells it covers and whether they meet it."""
     lines = []
-    for batch, temperature, domains, least in GOALS:
+    for batch, temperature, domains, least, how in GOALS:
         cells = [r for r in rows if r["batch"] == batch and r["domain"] in domains
                  and (temperature is None or r["temperature"] == temperature)]
         if not cells:
             continue
         shown = ", ".join(f"{r['domain']} T={r['temperature']:g} {r['speedup']:.2f}x" for r in cells)
         where = f"batch {batch}" + ("" if temperature is None else f", T = {temperature:g}")
-        verdict = "met" if all(r["speedup"] >= least for r in cells) else "NOT met"
-        lines.append(f"Goal >= {least:g}x at {where} on {' / '.join(domains)}: {verdict} ({shown}).")
+        if how == "mean":
+            mean = math.exp(sum(math.log(r["speedup"]) for r in cells) / len(cells))
+            verdict, shown = ("met" if mean >= least else "NOT met"), f"geometric mean {mean:.2f}x: {shown}"
+        else:
+            verdict = "met" if all(r["speedup"] >= least for r in cells) else "NOT met"
+        lines.append(f"Goal >= {least:g}x {'on average ' if how == 'mean' else ''}at {where} on "
+                     f"{' / '.join(domains)}: {verdict} ({shown}).")
+    if rows:
+        low = [r for r in rows if r["speedup"] < FLOOR]
+        shown = ", ".join(f"{r['domain']} batch {r['batch']} T={r['temperature']:g} {r['speedup']:.2f}x" for r in low)
+        lines.append(f"No cell below {FLOOR:g}x: " + (f"NOT met ({shown})." if low else "met."))
     return lines
 
 
