@@ -9,6 +9,10 @@ import os
 import shlex
 import sys
 
+from dspark_jax.core import host_memory
+
+host_memory.keep_freed_memory()  # as the commands do (before JAX's worker threads start): timings depend on it
+
 from dspark_jax.data.splits import BENCHMARK_DOMAINS as DOMAINS, eval_prompts, mixed_eval_prompts  # noqa: F401
 from dspark_jax.engine.sps import machine  # noqa: F401  (results files record it)
 
@@ -28,7 +32,7 @@ def write_results(name: str, results: dict, markdown: str, directory: str = RESU
     os.replace(json_path + ".tmp", json_path)
     m = meta["machine"]
     header = (f"Command: `{meta['command']}`  \nDate: {meta['date']}  \n"
-              f"Machine: {m['cpu']}, {m['cores']} cores, JAX {m['jax']} ({m['jax_backend']})\n\n")
+              f"Machine: {m['cpu']}, {m['cores']} cores, JAX {m['jax']} ({m['jax_backend']}), malloc: {m['malloc']}\n\n")
     with open(md_path + ".tmp", "w") as f:
         f.write(header + markdown)
     os.replace(md_path + ".tmp", md_path)

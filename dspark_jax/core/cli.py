@@ -9,15 +9,17 @@ import re
 import sys
 from typing import Any, Callable
 
-from dspark_jax.core import config_checks
+from dspark_jax.core import config_checks, host_memory
 from dspark_jax.core.errors import UserError
 
 
 def run_cli(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
-    """Wrap an entry point: UserError -> `error: ...` on stderr and exit status 2, no traceback."""
+    """Wrap an entry point: UserError -> `error: ...` on stderr and exit status 2, no traceback; malloc
+    set to keep freed memory before the backend starts (`host_memory`)."""
 
     @functools.wraps(main)
     def wrapped(argv: list[str] | None = None) -> int:
+        host_memory.keep_freed_memory()
         try:
             return main(argv)
         except UserError as e:

@@ -145,6 +145,7 @@ def sps_table(args, target, dcfg, dparams, gamma, max_len, buckets):
     import jax
     import jax.numpy as jnp
 
+    from dspark_jax.core import host_memory
     from dspark_jax.engine.speculative import profile_verify
     from dspark_jax.engine.sps import SPSTable, code_tag, device_kind, load_sps_table, save_sps_table
     from dspark_jax.models import cpu_kernels, decoder
@@ -158,6 +159,7 @@ def sps_table(args, target, dcfg, dparams, gamma, max_len, buckets):
     # Each version of the code a round runs has its own costs: our CPU kernels (verify passes through
     # them cost about half what they cost through XLA's dot) and the decoding modules (`code_tag`).
     code = (f"_rowkernel-{cpu_kernels.source_tag()}" if cpu_kernels.active() else "") + f"_code-{code_tag()}"
+    code += "" if host_memory.applied() else "_malloc-system"  # freed temporaries re-faulted each step
     model = (f"{target.name}:{target.config.num_layers}x{target.config.hidden_size}:{target.weight_dtype}{code}:"
              f"{layout}+{drafter}:kv{max_len}")
     path = args.sps_table or os.path.join(".dspark_cache", f"sps_{target.name}_{layout}{weights}{code}_{drafter}_"

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.core.errors import UserError
-from dspark_jax.core import files
+from dspark_jax.core import files, host_memory
 from dspark_jax.core.files import read_json_object
 
 FORMAT = "dspark-sps-table"
@@ -190,7 +190,7 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "jax": jax.__version__, "jax_backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()]}
+            "malloc": host_memory.malloc_note(), "jax": jax.__version__, "jax_backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()]}
 
 
 def _now() -> str:
