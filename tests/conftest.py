@@ -9,6 +9,10 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# glibc's default malloc for this process and its CLI subprocesses (the commands would set it to keep
+# freed memory, core.host_memory): one test process runs programs of hundreds of shapes, and a heap
+# that never shrinks would hold the largest of them all run long; test_host_memory sets it per probe.
+os.environ.setdefault("DSPARK_MALLOC", "system")
 # Several fake CPU devices for the sharding tests; must be set before JAX initialises.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 ALLOW_FEWER_DEVICES = "DSPARK_ALLOW_FEWER_DEVICES"

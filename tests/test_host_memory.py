@@ -41,7 +41,7 @@ def run_probe(**env) -> tuple[bool, float]:
 
 
 def test_kept_memory_is_not_faulted_in_again():
-    kept, kept_faults = run_probe()
+    kept, kept_faults = run_probe(DSPARK_MALLOC="keep")
     system, system_faults = run_probe(DSPARK_MALLOC="system")
     assert kept and not system
     # ~100 MB of temporaries: ~25k pages faulted in per execution with glibc's defaults
