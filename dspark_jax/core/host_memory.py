@@ -4,7 +4,7 @@ Every execution of a compiled XLA:CPU program allocates its temporaries (a train
 the vocabulary, a datagen step's caches) and frees them when it ends. glibc's malloc serves a large
 request with a fresh `mmap` (above its mmap threshold, and always when a worker thread's own arena
 cannot hold it) and unmaps it on `free`, so the next execution faults every page in again and the
-kernel zeroes each one: the recipe's training step re-faulted ~3.5 GB per step, 30% of its CPU time
+kernel zeroes each one: the recipe's training step re-faulted ~3.5 GB per step, ~25% of its busy CPU time
 in the kernel (docs/results.md section 14). `keep_freed_memory` tells glibc to serve every thread
 from the one main heap, never to mmap, never to give the heap's top back, so freed temporaries are
 reused as they are. The price is a resident set that stays at its peak, which a step reaches
