@@ -107,12 +107,16 @@ def export_latest(cfg) -> int:
 
 
 def write_drafter(cfg, trainer, state, out: str) -> None:
-    """Export `state`'s drafter to `out` (every process takes part; process 0 writes)."""
-    from dspark_jax.drafters.checkpoint import save_drafter
+    """Export `state`'s drafter to `out` (every process takes part; process 0 writes). A drafter
+    already exported there from the same step (a finished run resumed) is kept as it is: same
+    weights, and a calibration `calibrate` stored in it since would otherwise be lost."""
+    from dspark_jax.drafters.checkpoint import exported_step, save_drafter
     from dspark_jax.training.config import config_to_dict
 
-    params = trainer.host_params(state)
-    if gather.is_primary():
+    params = trainer.host_params(state)  # every process, whatever process 0 decides below
+    if gather.is_primary() and exported_step(out) == int(state.step):
+        print(f"drafter at {out} is already step {int(state.step)}'s: kept as it is")
+    elif gather.is_primary():
         save_drafter(out, trainer.dcfg, params,
                      metadata={"train_config": config_to_dict(cfg), "steps": int(state.step),
                                **({"draft_vocab_coverage": {"train": trainer.draft_vocab_coverage,

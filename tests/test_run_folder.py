@@ -152,6 +152,37 @@ def test_export_latest_writes_the_latest_checkpoints_drafter(used, finished, tmp
     assert_one_line_error(train.main, capsys, "no checkpoint to export", "--config", empty, "--export-latest")
 
 
+def test_resuming_a_finished_run_keeps_the_drafter_calibrated_in_place(used, tmp_path, capsys, tiny_load_target):
+    from dspark_jax.drafters.checkpoint import load_drafter, save_drafter
+
+    config = write_yaml(tmp_path / "run.yaml", used)
+    drafter = os.path.join(used.run.out_dir, "drafter")
+    code, _, err = run_main(train.main, capsys, "--config", config, "--resume", "--no-progress")
+    assert code == 0, err
+    exported = load_drafter(drafter)
+    assert exported.metadata["steps"] == 6 and not exported.sts_by_temperature
+    sts = [1.5] * exported.config.block_size
+    save_drafter(drafter, exported.config, exported.params, sts_temperatures=sts, sts_by_temperature={0.0: sts},
+                 metadata=exported.metadata)  # what `calibrate` without --save-to does
+    calibrated = snapshot(drafter)
+    code, stdout, err = run_main(train.main, capsys, "--config", config, "--resume", "--no-progress")
+    assert code == 0, err
+    assert "is already step 6's: kept as it is" in stdout
+    assert snapshot(drafter) == calibrated
+
+    # a drafter exported at another step (or half there) is replaced by the run's own
+    save_drafter(drafter, exported.config, exported.params, sts_by_temperature={0.0: sts}, metadata={"steps": 3})
+    code, stdout, err = run_main(train.main, capsys, "--config", config, "--resume", "--no-progress")
+    assert code == 0, err
+    assert "drafter written to" in stdout
+    replaced = load_drafter(drafter)
+    assert replaced.metadata["steps"] == 6 and not replaced.sts_by_temperature
+    os.remove(os.path.join(drafter, "drafter.safetensors"))
+    code, stdout, err = run_main(train.main, capsys, "--config", config, "--resume", "--no-progress")
+    assert code == 0, err
+    jax.tree.map(np.testing.assert_array_equal, load_drafter(drafter).params, exported.params)
+
+
 @pytest.mark.parametrize("override, key", [("drafter.markov_rank=4", "drafter.markov_rank"),
                                            ("data.seq_len=80", "data.seq_len"), ("loss.decay=2.0", "loss.decay"),
                                            ("optim.lr=1e-3", "optim.lr"), ("target=other", "target")])

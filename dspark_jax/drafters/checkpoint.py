@@ -132,6 +132,19 @@ def _read_meta(path: str) -> tuple[dict, DrafterConfig]:
         raise UserError(f"drafter config in {meta_path} does not match this version: {e}") from None
 
 
+def exported_step(path: str) -> int | None:
+    """The training step a complete drafter folder was exported at (its metadata's `steps`); None
+    where the folder holds no complete drafter or no step. Any folder a run writes to (gs:// too)."""
+    meta_path = os.path.join(path, META)
+    if not (files.exists(meta_path) and files.exists(os.path.join(path, WEIGHTS))):
+        return None
+    try:
+        steps = json.loads(files.read_text(meta_path))["metadata"]["steps"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        return None
+    return steps if isinstance(steps, int) else None
+
+
 def read_drafter_config(path: str) -> DrafterConfig:
     """Only the DrafterConfig of a drafter folder (its JSON, no weights): cheap, for checks before
     anything loads."""
