@@ -15,9 +15,11 @@ how many processes there are, and a run resumes on another number of processes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
+from dspark_jax.core import files
 from dspark_jax.core.cli import ArgumentParser, flag, run_cli
 from dspark_jax.distributed import gather, runtime
 
@@ -78,11 +80,17 @@ def main(argv: list[str] | None = None) -> int:
         return export_latest(cfg)
     folder = dict(resume=args.resume, overwrite=args.overwrite, allow_schedule_change=args.allow_schedule_change)
     check_run_folder(cfg, **folder)  # before loading anything: fit checks again, then writes
-    target = load_target(cfg.target)
-    trainer = Trainer(cfg, target)
-    state = trainer.fit(progress=not args.no_progress, **folder)
-    trainer.close()
-    write_drafter(cfg, trainer, state, os.path.join(cfg.run.out_dir, "drafter"))
+    with contextlib.ExitStack() as held:
+        # One run at a time in a folder: a second `--resume` beside a live one would interleave
+        # checkpoints and log lines. Process 0 holds the lock; its refusal stops every process.
+        busy = (f"run folder {cfg.run.out_dir} is in use by another training process: wait for it to end or "
+                f"stop it first (a killed one releases it)")
+        gather.everywhere(lambda: gather.is_primary() and held.enter_context(files.folder_lock(cfg.run.out_dir, busy)))
+        target = load_target(cfg.target)
+        trainer = Trainer(cfg, target)
+        state = trainer.fit(progress=not args.no_progress, **folder)
+        trainer.close()
+        write_drafter(cfg, trainer, state, os.path.join(cfg.run.out_dir, "drafter"))
     return 0
 
 

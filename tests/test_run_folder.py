@@ -183,6 +183,27 @@ def test_resuming_a_finished_run_keeps_the_drafter_calibrated_in_place(used, tmp
     jax.tree.map(np.testing.assert_array_equal, load_drafter(drafter).params, exported.params)
 
 
+def test_a_run_folder_in_use_by_another_process_is_refused(used, tmp_path, capsys, tiny_load_target):
+    config = write_yaml(tmp_path / "run.yaml", used)
+    holder = subprocess.Popen(  # another process holding the folder, as a live `train --resume` does
+        [sys.executable, "-c", "import sys; from dspark_jax.core import files\n"
+         f"with files.folder_lock({str(used.run.out_dir)!r}, 'busy'):\n print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = snapshot(used.run.out_dir)
+        assert_one_line_error(train.main, capsys, "is in use by another training process", "--config", config,
+                              "--resume", "--no-progress")
+        assert snapshot(used.run.out_dir) == before
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    code, _, err = run_main(train.main, capsys, "--config", config, "--resume", "--no-progress")  # released at its exit
+    assert code == 0, err
+    code, _, err = run_main(train.main, capsys, "--config", config, "--resume", "--no-progress")  # and at ours
+    assert code == 0, err
+
+
 @pytest.mark.parametrize("override, key", [("drafter.markov_rank=4", "drafter.markov_rank"),
                                            ("data.seq_len=80", "data.seq_len"), ("loss.decay=2.0", "loss.decay"),
                                            ("optim.lr=1e-3", "optim.lr"), ("target=other", "target")])

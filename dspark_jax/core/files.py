@@ -111,6 +111,29 @@ def make_parent(p) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
 
 
+@contextlib.contextmanager
+def folder_lock(p, busy: str):
+    """Hold an exclusive lock on local folder `p` (created if missing) while the block runs; if
+    another process holds it, a UserError saying `busy`. The kernel drops the lock when its holder
+    exits, a kill included, so there is nothing stale to clean up. Object-store folders cannot be
+    locked: there the block just runs."""
+    if is_url(p):
+        yield
+        return
+    import fcntl
+
+    os.makedirs(p, exist_ok=True)
+    fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(busy) from None
+        yield
+    finally:
+        os.close(fd)
+
+
 def remove(p) -> None:
     """Remove file `p` if it is there."""
     path(p).unlink(missing_ok=True)
