@@ -10,16 +10,19 @@
 # The run starts from the drafter in START (default: the shipped one, copied once into
 # RUN.start so the run keeps what it started from when the shipped drafter is replaced). Run from
 # the repository root with the package installed. Settings (environment): RUN, START, SEEDS
-# (sampled datagen seeds, default "0"), STEPS, PYTHON, FEATURE_DTYPE (the target's weights for the
-# feature cache build: bfloat16 where the CPU multiplies bf16 natively (AMX, AVX512-BF16), where it is
-# 1.3-1.8x faster, float32 elsewhere, where bf16 is emulated and slower: docs/training.md).
+# (sampled datagen seeds, default "0"), STEPS, PYTHON, DATAGEN_BATCH (rows datagen decodes at once,
+# default 32; the responses do not depend on it: raise it on an accelerator), FEATURE_CACHE (the
+# feature cache folder, default data/smollm2-train-features; "none": training runs the target in
+# each step instead, the cheaper choice on an accelerator), FEATURE_DTYPE (the target's weights for
+# the feature cache build: bfloat16 where the CPU multiplies bf16 natively (AMX, AVX512-BF16), where
+# it is 1.3-1.8x faster, float32 elsewhere, where bf16 is emulated and slower: docs/training.md).
 set -euo pipefail
 
 dry=0
 case "${1:-}" in
   --dry-run) dry=1 ;;
   "") ;;
-  -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
   *) echo "error: unknown argument $1 (only --dry-run)" >&2; exit 2 ;;
 esac
 
@@ -28,6 +31,8 @@ RUN=${RUN:-runs/dspark_smollm2-135m-v2}
 START=${START:-dspark_jax/shipped/dspark_smollm2-135m}
 SEEDS=${SEEDS:-0}
 STEPS=${STEPS:-4000}
+DATAGEN_BATCH=${DATAGEN_BATCH:-32}
+FEATURE_CACHE=${FEATURE_CACHE:-data/smollm2-train-features}
 if [ -z "${FEATURE_DTYPE:-}" ]; then
   if grep -qwE 'amx_bf16|avx512_bf16' /proc/cpuinfo 2>/dev/null; then FEATURE_DTYPE=bfloat16; else FEATURE_DTYPE=float32; fi
 fi
@@ -42,12 +47,12 @@ step() {  # print the command; run it unless --dry-run
 }
 
 step "$PYTHON" -m dspark_jax.datagen --sets "$EVAL_SETS" --split eval --limit 40 --out data/smollm2-eval \
-  --temperature 0 --max-new-tokens 384
+  --temperature 0 --max-new-tokens 384 --batch-size "$DATAGEN_BATCH"
 step "$PYTHON" -m dspark_jax.datagen --sets all --split train --out data/smollm2-train/greedy \
-  --temperature 0 --max-new-tokens 384
+  --temperature 0 --max-new-tokens 384 --batch-size "$DATAGEN_BATCH"
 for seed in $SEEDS; do
   step "$PYTHON" -m dspark_jax.datagen --sets all --split train --out "data/smollm2-train/sampled-s$seed" \
-    --seed "$seed" --max-new-tokens 384
+    --seed "$seed" --max-new-tokens 384 --batch-size "$DATAGEN_BATCH"
 done
 
 calibrated_at() {  # the decoding temperatures drafter folder $1 is calibrated at, one per line
@@ -59,11 +64,16 @@ if [ ! -e "$RUN.start/drafter.json" ]; then
   step mkdir -p "$RUN.start"
   step cp "$START/drafter.json" "$START/drafter.safetensors" "$RUN.start/"
 fi
+if [ "$FEATURE_CACHE" = none ]; then
+  features=(data.feature_cache=null)
+else
+  features=("data.feature_cache=$FEATURE_CACHE" "data.feature_cache_dtype=$FEATURE_DTYPE")
+fi
 if [ ! -e "$RUN/drafter/drafter.json" ]; then
   step "$PYTHON" -m dspark_jax.train --config configs/dspark_smollm2-135m.yaml --resume \
     "optim.steps=$STEPS" optim.lr=1.0e-3 "optim.init_from_drafter=$RUN.start" "run.out_dir=$RUN" \
     run.eval_every=250 run.eval_batches=16 data.seq_len=1024 data.rows=4 data.blocks_per_row=64 \
-    data.feature_cache=data/smollm2-train-features data.feature_cache_dtype=$FEATURE_DTYPE
+    "${features[@]}"
 fi
 
 # STS on held-out greedy and T = 1 rounds, into one bf16 copy (the drafter to ship).

@@ -522,3 +522,23 @@ def test_smollm2_recipe_runs_every_step_once_and_resumes(tmp_path):
                          capture_output=True, text=True, check=True)
     assert not log.exists()  # prints, runs nothing
     assert [line.split()[2] for line in dry.stdout.splitlines()] == ["dspark_jax.datagen"] * 4
+
+
+def test_smollm2_recipe_on_an_accelerator_trains_without_a_feature_cache(tmp_path):
+    """FEATURE_CACHE=none: the target runs in each training step (no cache folder named anywhere);
+    DATAGEN_BATCH reaches every datagen step."""
+    from dspark_jax.training.config import load_config
+
+    env = {**os.environ, "RUN": str(tmp_path / "v2"), "FEATURE_CACHE": "none", "DATAGEN_BATCH": "256"}
+    dry = subprocess.run(["bash", os.path.join(LAUNCH, "smollm2_drafter.sh"), "--dry-run"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, check=True)
+    calls = [line.split() for line in dry.stdout.splitlines() if line.split()[1:2] == ["-m"]]
+    datagen = [c for c in calls if c[2] == "dspark_jax.datagen"]
+    assert len(datagen) == 3 and all(c[c.index("--batch-size") + 1] == "256" for c in datagen)
+    (train,) = [c for c in calls if c[2] == "dspark_jax.train"]
+    cfg = load_config(os.path.join(ROOT, train[train.index("--config") + 1]), [a for a in train[3:] if "=" in a])
+    assert cfg.data.feature_cache is None and cfg.data.seq_len == 1024
+    default = subprocess.run(["bash", os.path.join(LAUNCH, "smollm2_drafter.sh"), "--dry-run"], cwd=ROOT,
+                             env={**env, "FEATURE_CACHE": "", "DATAGEN_BATCH": ""}, capture_output=True, text=True,
+                             check=True)
+    assert "data.feature_cache=data/smollm2-train-features" in default.stdout and "--batch-size 32" in default.stdout
