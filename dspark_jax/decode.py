@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weights' dtype; bfloat16 keeps fp32 activations on a CPU and is much faster "
                         "for verify passes and batches on CPUs with AMX or AVX512-BF16 (docs/results.md section 9)")
-    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--raw", action="store_true", help="no chat template: the text as the model's tokenizer encodes it by default (with the BOS it adds, e.g. Gemma 3, Llama 3)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per prompt in input order, then a summary object; no progress bar")
     p.add_argument("--layout", default="data", choices=offline.LAYOUTS,

@@ -310,6 +310,42 @@ def test_dspark_drafter_trains_on_gemma3_270m_and_decodes_losslessly(gemma_pair,
     assert spec.token_ids == plain
 
 
+@needs_gemma
+def test_decode_raw_on_gemma3_270m_is_bos_and_transformers_greedy_tokens(gemma_pair, tmp_path, capsys, monkeypatch):
+    """`decode --raw` (prompts file, one prompt past the 512-token window): the ids of transformers'
+    `tokenizer(text)`, BOS first, and transformers' greedy continuation token for token."""
+    import json
+    import os
+
+    import torch
+    import transformers
+
+    from dspark_jax import decode
+    from dspark_jax.checkpoints import registry
+
+    ours, theirs = gemma_pair
+    load = registry.load_target  # the command's whole path, with the fixture's target (loaded once)
+    monkeypatch.setattr(registry, "load_target", lambda name, **kw: ours if name == "gemma3-270m" else load(name, **kw))
+    folder, name = os.path.split(ours.path)
+    ref = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in RAW_PROMPTS))
+    new = 10
+    code = decode.main(["--target", "gemma3-270m", "--raw", "--drafter", "none", "--prompts-file", str(prompts),
+                        "--max-new-tokens", str(new), "--temperature", "0", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    records = [json.loads(line) for line in out.strip().splitlines() if '"summary"' not in line]
+    assert len(records) == len(RAW_PROMPTS)
+    for text, record in zip(RAW_PROMPTS, records):
+        ids = record["prompt_token_ids"]
+        assert ids[0] == 2 and ids == ref(text)["input_ids"]
+        with torch.no_grad():
+            want = theirs.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        assert record["token_ids"] == want[0, len(ids):].tolist()
+    assert len(records[2]["prompt_token_ids"]) > 512
+
+
 def test_decode_on_a_base_model_without_chat_template_says_so_and_uses_raw_text(tmp_path_factory, capsys):
     import json
 

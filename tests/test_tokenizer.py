@@ -228,6 +228,43 @@ def test_chat_prompt_ids(gguf_pair, hf_folder_pair):
     assert plain.chat_prompt_ids("Name 3 colours.") == ours.encode("Name 3 colours.")
 
 
+RAW_TEXTS = ["The capital of France is", "def f(x):\n    return x * 2\n", "  two spaces, 12345 and ü", ""]
+
+
+def llama3_style_folder(hf_folder_pair, tmp_path) -> str:
+    """The saved SmolLM2 tokenizer folder with Llama 3's post-processor: a BOS before every text."""
+    folder = tmp_path / "llama3-style"
+    folder.mkdir()
+    for name in os.listdir(hf_folder_pair[2]):
+        (folder / name).write_bytes((hf_folder_pair[2] / name).read_bytes())
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    bos = {"id": "<|im_start|>", "type_id": 0}
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [{"SpecialToken": bos}, {"Sequence": {"id": "A", "type_id": 0}}],
+                              "pair": [{"SpecialToken": bos}, {"Sequence": {"id": "A", "type_id": 0}},
+                                       {"SpecialToken": bos}, {"Sequence": {"id": "B", "type_id": 1}}],
+                              "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]}}}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    return str(folder)
+
+
+def test_raw_prompt_ids_are_the_reference_tokenizers_own(gguf_pair, hf_folder_pair, tmp_path):
+    """`--raw` = transformers' `tokenizer(text)`: no BOS for SmolLM2 (GGUF and HF folder) or a
+    Qwen2-style GGUF without add_bos_token, a BOS for a Llama-3-style folder (Gemma 3: below)."""
+    import transformers
+
+    tiny_gguf_tokenizer(tmp_path / "qwen.gguf", pre="qwen2", add_bos=False)
+    llama3 = llama3_style_folder(hf_folder_pair, tmp_path)
+    cases = {"smollm2 gguf": (*gguf_pair, None), "smollm2 hf folder": (*hf_folder_pair[:2], None),
+             "qwen2-style gguf": (gguf_tokenizer(tmp_path / "qwen.gguf"),
+                                  transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="qwen.gguf"), None),
+             "llama3-style hf folder": (Tokenizer.from_hf_folder(llama3), transformers.AutoTokenizer.from_pretrained(llama3), 1)}
+    for name, (ours, ref, bos) in cases.items():
+        for text in RAW_TEXTS if name != "qwen2-style gguf" else ["the tea is hot, 12345 eh?", "  tin\n"]:
+            ids = ours.raw_prompt_ids(text)
+            assert ids == ref(text)["input_ids"], (name, text)
+            assert ids == ([bos] if bos is not None else []) + ours.encode(text), (name, text)
+
+
 # Text that is not valid Unicode, as Python hands it over: undecodable argv / file bytes as
 # surrogate escapes (os.fsdecode), a lone surrogate from a JSON "\\ud800" escape.
 NOT_UNICODE = {
@@ -388,6 +425,12 @@ def test_gemma_tokenizer_matches_transformers(gemma_pair, text):
     assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False)
     if "\u2581" not in text:  # a literal "▁" decodes as the space it stands for
         assert ours.decode(ids, skip_special_tokens=False) == text
+
+
+def test_gemma_raw_prompt_ids_start_with_bos(gemma_pair):
+    ours, ref = gemma_pair
+    for text in RAW_TEXTS:
+        assert ours.raw_prompt_ids(text) == ref(text)["input_ids"] == [2, *ours.encode(text)]
 
 
 def test_gemma_tokenizer_pieces(gemma_pair):

@@ -218,11 +218,17 @@ class Tokenizer:
             raise UserError("this tokenizer has no chat template")
         return render_chat_template(self.chat_template, messages, add_generation_prompt, self.special_tokens)
 
+    def raw_prompt_ids(self, text: str) -> list[int]:
+        """Prompt ids of raw text (`decode --raw`, a base model): the text as the model's own
+        tokenizer encodes it by default, i.e. transformers' `tokenizer(text)`, with the special
+        tokens its configuration adds (a BOS for Gemma 3 and Llama 3; none for SmolLM2 or Qwen).
+        A model trained with a BOS degenerates without it."""
+        return self.backend.encode(clean_text(text), add_special_tokens=True).ids
+
     def chat_prompt_ids(self, user_text: str) -> list[int]:
-        """Prompt ids for one user turn: the chat template if there is one, else the plain text
-        with whatever special tokens the tokenizer itself adds (e.g. a BOS)."""
+        """Prompt ids for one user turn: the chat template if there is one, else `raw_prompt_ids`."""
         if self.chat_template is None:
-            return self.backend.encode(clean_text(user_text), add_special_tokens=True).ids
+            return self.raw_prompt_ids(user_text)
         return self.encode(self.apply_chat_template([{"role": "user", "content": user_text}]))
 
 

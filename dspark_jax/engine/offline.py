@@ -263,7 +263,7 @@ def tokenize(args, target, requests: list[Request]) -> None:
             if r.prompt.messages is not None:
                 r.ids = tok.encode(tok.apply_chat_template(list(r.prompt.messages)))
             else:
-                r.ids = tok.encode(r.prompt.text) if args.raw else tok.chat_prompt_ids(r.prompt.text)
+                r.ids = tok.raw_prompt_ids(r.prompt.text) if args.raw else tok.chat_prompt_ids(r.prompt.text)
             check_context(target.config, [len(r.ids)], args.max_new_tokens)
         except UserError as e:
             raise UserError(f"{r.prompt.source}: {e}") from None
