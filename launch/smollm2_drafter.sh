@@ -7,6 +7,11 @@
 #   mkdir -p logs && setsid nohup bash launch/smollm2_drafter.sh > logs/smollm2_drafter.log 2>&1 &
 #   bash launch/smollm2_drafter.sh --dry-run      # the commands, one per line; runs nothing
 #
+# The data lives in the repository (DATA, default datasets/smollm2-135m: compact shards with their
+# sha256 in each manifest, docs/training.md), so a sitting on a new machine continues from what is
+# committed: a complete folder is verified and skipped, a partial one resumes at its next shard.
+# Commit each folder's new shards as they come (`git add datasets/ && git commit`).
+#
 # The run starts from the drafter in START (default: the shipped one, copied once into
 # RUN.start so the run keeps what it started from when the shipped drafter is replaced). Run from
 # the repository root with the package installed. Settings (environment): RUN, START, SEEDS
@@ -27,6 +32,7 @@ case "${1:-}" in
 esac
 
 PYTHON=${PYTHON:-python}
+DATA=${DATA:-datasets/smollm2-135m}
 RUN=${RUN:-runs/dspark_smollm2-135m-v2}
 START=${START:-dspark_jax/shipped/dspark_smollm2-135m}
 SEEDS=${SEEDS:-0}
@@ -46,13 +52,29 @@ step() {  # print the command; run it unless --dry-run
   fi
 }
 
-step "$PYTHON" -m dspark_jax.datagen --sets "$EVAL_SETS" --split eval --limit 40 --out data/smollm2-eval \
-  --temperature 0 --max-new-tokens 384 --batch-size "$DATAGEN_BATCH"
-step "$PYTHON" -m dspark_jax.datagen --sets all --split train --out data/smollm2-train/greedy \
-  --temperature 0 --max-new-tokens 384 --batch-size "$DATAGEN_BATCH"
+data_status() {  # one line: where datagen folder $1 stands (from its manifest)
+  "$PYTHON" - "$1" <<'PY'
+import json, sys
+try:
+    m = json.load(open(sys.argv[1] + "/manifest.json"))
+except FileNotFoundError:
+    print(f"{sys.argv[1]}: not started"); sys.exit()
+state = "complete" if m["complete"] else "partial"
+print(f"{sys.argv[1]}: {state}, {len(m['shards'])} / {m['num_shards_planned']} shards, "
+      f"{m['num_examples']} / {m['num_planned']} prompts, {m['response_tokens']:,} response tokens")
+PY
+}
+
+datagen() {  # datagen into $1 (further flags follow); a complete folder is only verified (sha256)
+  local out=$1; shift
+  [ "$dry" = 1 ] && echo "# $(data_status "$out")"
+  step "$PYTHON" -m dspark_jax.datagen --out "$out" --max-new-tokens 384 --batch-size "$DATAGEN_BATCH" "$@"
+}
+
+datagen "$DATA/eval" --sets "$EVAL_SETS" --split eval --limit 40 --temperature 0
+datagen "$DATA/train/greedy" --sets all --split train --temperature 0
 for seed in $SEEDS; do
-  step "$PYTHON" -m dspark_jax.datagen --sets all --split train --out "data/smollm2-train/sampled-s$seed" \
-    --seed "$seed" --max-new-tokens 384 --batch-size "$DATAGEN_BATCH"
+  datagen "$DATA/train/sampled-s$seed" --sets all --split train --seed "$seed"
 done
 
 calibrated_at() {  # the decoding temperatures drafter folder $1 is calibrated at, one per line
@@ -72,6 +94,7 @@ fi
 if [ ! -e "$RUN/drafter/drafter.json" ]; then
   step "$PYTHON" -m dspark_jax.train --config configs/dspark_smollm2-135m.yaml --resume \
     "optim.steps=$STEPS" optim.lr=1.0e-3 "optim.init_from_drafter=$RUN.start" "run.out_dir=$RUN" \
+    "data.train_dir=$DATA/train" "data.eval_dir=$DATA/eval" \
     run.eval_every=250 run.eval_batches=16 data.seq_len=1024 data.rows=4 data.blocks_per_row=64 \
     "${features[@]}"
 fi

@@ -1,7 +1,9 @@
 """Data pipeline: prompt splits, datagen shards + resume, anchors, packing, iterator state, target features."""
 
+import hashlib
 import json
 import os
+import zipfile
 
 import jax
 import jax.numpy as jnp
@@ -53,15 +55,39 @@ def test_split_is_fixed_disjoint_and_hash_based():
 
 def test_shard_round_trip(tmp_path):
     path = str(tmp_path / "shard-00000.npz")
-    entry = datagen.write_shard(path, [[5, 6, 7], [8]], [[9, 2], [10, 11, 12]], ["a/1", "b/2"], [True, False])
-    assert entry == dict(file="shard-00000.npz", num_examples=2, num_tokens=9, response_tokens=5)
+    entry = datagen.write_shard(path, [[5, 6, 7], [8]], [[9, 2], [10, 11, 65535]], ["a/1", "b/2"], [True, False])
+    blob = open(path, "rb").read()
+    assert entry == dict(file="shard-00000.npz", num_examples=2, num_tokens=9, response_tokens=5,
+                         sha256=hashlib.sha256(blob).hexdigest())
     assert os.listdir(tmp_path) == ["shard-00000.npz"]  # no temporary left behind
-    with np.load(path, allow_pickle=False) as z:
-        assert z["tokens"].dtype == np.int32 and z["offsets"].tolist() == [0, 5, 9]
-    data = datagen.read_shard(path)
-    assert data["tokens"].tolist() == [5, 6, 7, 9, 2, 8, 10, 11, 12]
+    with np.load(path, allow_pickle=False) as z:  # two bytes a token on disk, deflated
+        assert z["tokens"].dtype == np.uint16 and z["offsets"].tolist() == [0, 5, 9]
+    with zipfile.ZipFile(path) as z:
+        assert {i.compress_type for i in z.infolist()} == {zipfile.ZIP_DEFLATED}
+    data = datagen.read_shard(path, entry["sha256"])
+    assert data["tokens"].dtype == np.int32 and data["tokens"].tolist() == [5, 6, 7, 9, 2, 8, 10, 11, 65535]
     assert data["prompt_lens"].tolist() == [3, 1] and data["finished"].tolist() == [True, False]
     assert data["example_ids"].tolist() == ["a/1", "b/2"]
+
+
+def test_shards_are_compact_reproducible_and_hash_checked(tmp_path):
+    a, b = str(tmp_path / "a.npz"), str(tmp_path / "b.npz")
+    rows = [list(range(k, k + 300)) for k in range(20)]
+    entry = datagen.write_shard(a, rows, rows, [f"s/{k}" for k in range(20)], [True] * 20)
+    assert datagen.write_shard(b, rows, rows, [f"s/{k}" for k in range(20)], [True] * 20)["sha256"] == entry["sha256"]
+    assert os.path.getsize(a) < 2 * 12_000  # 12,000 tokens: under two bytes a token
+    big = str(tmp_path / "big.npz")  # an id past uint16 keeps int32, read back the same
+    datagen.write_shard(big, [[70_000]], [[1]], ["s/x"], [False])
+    with np.load(big, allow_pickle=False) as z:
+        assert z["tokens"].dtype == np.int32
+    assert datagen.read_shard(big)["tokens"].tolist() == [70_000, 1]
+    with open(a, "r+b") as f:  # one byte changed: the manifest's hash refuses it
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(UserError, match="sha256 is not the manifest's"):
+        datagen.read_shard(a, entry["sha256"])
 
 
 def test_atomic_write_json_syncs_before_the_rename(tmp_path, monkeypatch):

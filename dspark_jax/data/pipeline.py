@@ -112,7 +112,7 @@ class ShardSource:
                                 f"by {target[0]!r}: do not mix targets")
             target = key
             for entry in manifest["shards"]:
-                data = read_shard(os.path.join(folder, entry["file"]))
+                data = read_shard(os.path.join(folder, entry["file"]), entry.get("sha256"))
                 tokens.append(data["tokens"].astype(np.int32))
                 offsets.append(data["offsets"][1:].astype(np.int64) + total)
                 prompt_lens.append(data["prompt_lens"].astype(np.int32))
