@@ -1,26 +1,27 @@
 #!/usr/bin/env bash
-# The shipped SmolLM2-135M drafter's whole recipe on one machine (docs/training.md, docs/results.md
-# section 14): held-out data, greedy and sampled training data, the training run, STS at T = 0 and
-# T = 1. Every step resumes where it stopped and a finished step is skipped, so the same command
-# continues after a reboot, a kill or the end of a sitting:
+# The shipped SmolLM2-135M drafter's recipe, in sittings (docs/training.md, docs/results.md
+# section 14): held-out data, greedy and sampled training data, then one training sitting that
+# continues the shipped drafter for BUDGET_S seconds and replaces it only if held-out tau rose.
+# Every step resumes where it stopped, so the same command continues after a kill, and on a new
+# machine from what the repository holds:
 #
-#   mkdir -p logs && setsid nohup bash launch/smollm2_drafter.sh > logs/smollm2_drafter.log 2>&1 &
-#   bash launch/smollm2_drafter.sh --dry-run      # the commands, one per line; runs nothing
+#   mkdir -p logs && setsid nohup nice -n 19 bash launch/smollm2_drafter.sh > logs/smollm2_drafter.log 2>&1 &
+#   bash launch/smollm2_drafter.sh --dry-run      # where each step stands and what would run next
 #
 # The data lives in the repository (DATA, default datasets/smollm2-135m: compact shards with their
-# sha256 in each manifest, docs/training.md), so a sitting on a new machine continues from what is
-# committed: a complete folder is verified and skipped, a partial one resumes at its next shard.
-# Commit each folder's new shards as they come (`git add datasets/ && git commit`).
+# sha256 in each manifest), so datagen is never run twice: a complete folder is verified and
+# skipped, a partial one resumes at its next shard. Commit new shards as they come
+# (`git add datasets/ && git commit`), and after a sitting the drafter and $DATA/sittings.jsonl.
 #
-# The run starts from the drafter in START (default: the shipped one, copied once into
-# RUN.start so the run keeps what it started from when the shipped drafter is replaced). Run from
-# the repository root with the package installed. Settings (environment): RUN, START, SEEDS
-# (sampled datagen seeds, default "0"), STEPS, PYTHON, DATAGEN_BATCH (rows datagen decodes at once,
-# default 32; the responses do not depend on it: raise it on an accelerator), FEATURE_CACHE (the
-# feature cache folder, default data/smollm2-train-features; "none": training runs the target in
-# each step instead, the cheaper choice on an accelerator), FEATURE_DTYPE (the target's weights for
-# the feature cache build: bfloat16 where the CPU multiplies bf16 natively (AMX, AVX512-BF16), where
-# it is 1.3-1.8x faster, float32 elsewhere, where bf16 is emulated and slower: docs/training.md).
+# Run from the repository root with the package installed. Settings (environment): PYTHON, DATA,
+# SEEDS (sampled datagen seeds, default "0"), BUDGET_S (training seconds this sitting, default
+# 5400; calibration after it takes ~20 minutes more), LR (default 3e-4, held after WARMUP_STEPS,
+# default 50), DATAGEN_BATCH (rows datagen decodes at once, default 32; the responses do not depend
+# on it: raise it on an accelerator), FEATURE_CACHE (default none: the target runs in each training
+# step; a folder: the target's features cached there first, worth it only where building the cache
+# is cheap next to the sitting: docs/results.md section 14), FEATURE_DTYPE (the target's weights for
+# a feature cache build: bfloat16 where the CPU multiplies bf16 natively (AMX, AVX512-BF16), float32
+# elsewhere), RUN (default runs/smollm2-from-<id of the shipped drafter's weights>).
 set -euo pipefail
 
 dry=0
@@ -33,12 +34,13 @@ esac
 
 PYTHON=${PYTHON:-python}
 DATA=${DATA:-datasets/smollm2-135m}
-RUN=${RUN:-runs/dspark_smollm2-135m-v2}
-START=${START:-dspark_jax/shipped/dspark_smollm2-135m}
+SHIPPED=${SHIPPED:-dspark_jax/shipped/dspark_smollm2-135m}
 SEEDS=${SEEDS:-0}
-STEPS=${STEPS:-4000}
+BUDGET_S=${BUDGET_S:-5400}
+LR=${LR:-3.0e-4}
+WARMUP_STEPS=${WARMUP_STEPS:-50}
 DATAGEN_BATCH=${DATAGEN_BATCH:-32}
-FEATURE_CACHE=${FEATURE_CACHE:-data/smollm2-train-features}
+FEATURE_CACHE=${FEATURE_CACHE:-none}
 if [ -z "${FEATURE_DTYPE:-}" ]; then
   if grep -qwE 'amx_bf16|avx512_bf16' /proc/cpuinfo 2>/dev/null; then FEATURE_DTYPE=bfloat16; else FEATURE_DTYPE=float32; fi
 fi
@@ -77,34 +79,44 @@ for seed in $SEEDS; do
   datagen "$DATA/train/sampled-s$seed" --sets all --split train --seed "$seed"
 done
 
-calibrated_at() {  # the decoding temperatures drafter folder $1 is calibrated at, one per line
-  "$PYTHON" -c 'import json, sys; print(*json.load(open(sys.argv[1])).get("sts_by_temperature", {}), sep="\n")' \
-    "$1/drafter.json" 2>/dev/null || true
-}
-
-if [ ! -e "$RUN.start/drafter.json" ]; then
-  step mkdir -p "$RUN.start"
-  step cp "$START/drafter.json" "$START/drafter.safetensors" "$RUN.start/"
-fi
+# Training in sittings: each sitting continues the drafter the repository ships (any machine has
+# it), for BUDGET_S seconds of training, in a run named after that drafter's weights (a sitting on
+# the same machine resumes it; a new one starts it afresh from the shipped weights, Adam's moments
+# re-warmed over WARMUP_STEPS). The run opens with the shipped drafter's held-out score and closes
+# with its own on the same batches; only a better one is calibrated (STS at T = 0 and T = 1) and
+# replaces the shipped drafter (bf16). Every sitting appends a row to $DATA/sittings.jsonl.
+start_id=$("$PYTHON" launch/smollm2_sitting.py start-id "$SHIPPED")
+RUN=${RUN:-runs/smollm2-from-$start_id}
 if [ "$FEATURE_CACHE" = none ]; then
   features=(data.feature_cache=null)
 else
   features=("data.feature_cache=$FEATURE_CACHE" "data.feature_cache_dtype=$FEATURE_DTYPE")
 fi
-if [ ! -e "$RUN/drafter/drafter.json" ]; then
-  step "$PYTHON" -m dspark_jax.train --config configs/dspark_smollm2-135m.yaml --resume \
-    "optim.steps=$STEPS" optim.lr=1.0e-3 "optim.init_from_drafter=$RUN.start" "run.out_dir=$RUN" \
-    "data.train_dir=$DATA/train" "data.eval_dir=$DATA/eval" \
-    run.eval_every=250 run.eval_batches=16 data.seq_len=1024 data.rows=4 data.blocks_per_row=64 \
-    "${features[@]}"
+if [ "$dry" = 1 ]; then
+  last=$( (ls -d "$RUN"/checkpoints/[0-9]* 2>/dev/null || true) | sed 's,.*/,,' | sort -n | tail -1)
+  echo "# training sitting of ${BUDGET_S} s from the shipped drafter $start_id in $RUN: resumes at step ${last:-0}"
 fi
+t0=$(date +%s)
+step "$PYTHON" -m dspark_jax.train --config configs/dspark_smollm2-135m.yaml --resume --allow-schedule-change \
+  "optim.init_from_drafter=$SHIPPED" optim.schedule=constant "optim.lr=$LR" "optim.warmup_steps=$WARMUP_STEPS" \
+  optim.steps=1000000 "run.time_budget_s=$BUDGET_S" "run.out_dir=$RUN" \
+  "data.train_dir=$DATA/train" "data.eval_dir=$DATA/eval" run.eval_every=250 run.eval_batches=16 \
+  data.seq_len=1024 data.rows=4 data.blocks_per_row=64 "${features[@]}"
+wall=$(( $(date +%s) - t0 ))
 
-# STS on held-out greedy and T = 1 rounds, into one bf16 copy (the drafter to ship).
-if ! calibrated_at "$RUN-calibrated" | grep -qx 0; then
+if [ "$dry" = 1 ]; then
+  echo "# then, if its held-out expected tau beats the shipped drafter's: STS at T = 0 and T = 1 into $RUN-calibrated (bf16), copied to $SHIPPED; a row in $DATA/sittings.jsonl"
+  exit 0
+fi
+if "$PYTHON" launch/smollm2_sitting.py verdict "$RUN"; then
+  step rm -rf "$RUN-calibrated"
   step "$PYTHON" -m dspark_jax.calibrate --drafter "$RUN/drafter" --temperature 0 --limit 16 \
     --max-new-tokens 128 --save-to "$RUN-calibrated" --storage-dtype bfloat16
-fi
-if ! calibrated_at "$RUN-calibrated" | grep -qx 1; then
   step "$PYTHON" -m dspark_jax.calibrate --drafter "$RUN-calibrated" --temperature 1 --limit 16 --max-new-tokens 128
+  step cp "$RUN-calibrated/drafter.json" "$RUN-calibrated/drafter.safetensors" "$SHIPPED/"
+  "$PYTHON" launch/smollm2_sitting.py record "$RUN" --wall-s "$wall" --shipped 1 --log "$DATA/sittings.jsonl"
+  echo "shipped: commit $SHIPPED and $DATA/sittings.jsonl"
+else
+  "$PYTHON" launch/smollm2_sitting.py record "$RUN" --wall-s "$wall" --shipped 0 --log "$DATA/sittings.jsonl"
+  echo "kept the shipped drafter: commit $DATA/sittings.jsonl"
 fi
-[ "$dry" = 1 ] || echo "done: $RUN-calibrated"

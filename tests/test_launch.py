@@ -3,6 +3,7 @@ argv as one JSON line to a log and exits 0; it answers `describe` with a state; 
 (FAKE_WORKERS=N), it runs an `ssh --command` locally once per worker, each with its own HOME and
 TPU_WORKER_ID, so the detached-run wrapping is exercised for real. No network, no real gcloud."""
 
+import hashlib
 import json
 import os
 import re
@@ -454,13 +455,14 @@ def test_readme_dry_runs_are_what_the_scripts_print(fake):
 
 # ---------------------------------------------------------------------------- the local recipe
 
-# A stand-in for the Python that runs the recipe's steps: records each module's argv and writes the
-# drafter folders that training and calibration leave (its own name: FAKE_PYTHON above builds wheels).
+# A stand-in for the Python that runs the recipe's steps: records each module's argv and writes what
+# training and calibration leave (a drafter folder; a run's held-out scores at step 0 and at its end,
+# the end's from FAKE_TAU_END). The recipe's own scripts run for real (FAKE_PYTHON above builds wheels).
 FAKE_RECIPE_PYTHON = f"""#!{sys.executable}
 import json, os, subprocess, sys
 
 args = sys.argv[1:]
-if args[0] == "-c":  # the script's own one-liners run for real
+if args[0] != "-m":  # the recipe's own scripts and here-documents run for real
     sys.exit(subprocess.call([{sys.executable!r}, *args]))
 with open(os.environ["FAKE_PYTHON_LOG"], "a") as f:
     f.write(json.dumps(args) + "\\n")
@@ -470,9 +472,14 @@ def write_drafter(folder, sts):
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "drafter.json"), "w") as f:
         json.dump({{"sts_by_temperature": sts}}, f)
+    with open(os.path.join(folder, "drafter.safetensors"), "w") as f:
+        f.write("weights")
 if args[1] == "dspark_jax.train":
     out = next(a.split("=", 1)[1] for a in args if a.startswith("run.out_dir="))
     write_drafter(os.path.join(out, "drafter"), {{}})
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        for step, tau in ((0, 1.8), (500, float(os.environ["FAKE_TAU_END"]))):
+            f.write(json.dumps({{"step": step, "eval_expected_tau": tau, "eval_acceptance_per_position": [0.4]}}) + "\\n")
 elif args[1] == "dspark_jax.calibrate":
     source = value("--drafter")
     target = value("--save-to") if "--save-to" in args else source
@@ -482,54 +489,67 @@ elif args[1] == "dspark_jax.calibrate":
 
 
 def test_smollm2_recipe_runs_every_step_once_and_resumes(tmp_path):
-    """launch/smollm2_drafter.sh: every step in order, a valid training config, and a second run
-    that redoes only the steps that resume by themselves (datagen skips its finished shards)."""
+    """launch/smollm2_drafter.sh: datagen into the committed data folders, a training sitting from
+    the shipped drafter (in a run named after its weights), and only a sitting that beats it is
+    calibrated and shipped; each sitting is a row of the sittings log; --dry-run runs nothing."""
     from dspark_jax.training.config import load_config
 
     fake = tmp_path / "python"
     fake.write_text(FAKE_RECIPE_PYTHON)
     fake.chmod(0o755)
     log = tmp_path / "calls.jsonl"
-    start = tmp_path / "start"
-    start.mkdir()
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
     for name in ("drafter.json", "drafter.safetensors"):
-        (start / name).write_text("{}")
-    env = {**os.environ, "PYTHON": str(fake), "FAKE_PYTHON_LOG": str(log), "RUN": str(tmp_path / "runs" / "v2"),
-           "START": str(start), "SEEDS": "0 1"}
+        (shipped / name).write_text("{}")
+    data = tmp_path / "datasets"
+    env = {**os.environ, "PYTHON": str(fake), "FAKE_PYTHON_LOG": str(log), "SHIPPED": str(shipped),
+           "DATA": str(data), "SEEDS": "0 1", "BUDGET_S": "600"}
+    run_name = "smollm2-from-" + hashlib.sha256(b"{}").hexdigest()[:12]
+    os.symlink(os.path.join(ROOT, "launch"), tmp_path / "launch")  # run from a scratch root: runs/ lands there
+    os.symlink(os.path.join(ROOT, "configs"), tmp_path / "configs")
 
-    def run():
+    def run(tau_end):
         log.unlink(missing_ok=True)
-        subprocess.run(["bash", os.path.join(LAUNCH, "smollm2_drafter.sh")], cwd=ROOT, env=env, check=True,
-                       capture_output=True, text=True)
+        subprocess.run(["bash", os.path.join(LAUNCH, "smollm2_drafter.sh")], cwd=tmp_path,
+                       env={**env, "FAKE_TAU_END": str(tau_end)}, check=True, capture_output=True, text=True)
         return [json.loads(line) for line in log.read_text().splitlines()]
 
-    calls = run()
+    calls = run(1.9)
     modules = [c[1] for c in calls]
     assert modules == ["dspark_jax.datagen"] * 4 + ["dspark_jax.train"] + ["dspark_jax.calibrate"] * 2
-    assert [c[c.index("--out") + 1] for c in calls[:4]] == [
-        "data/smollm2-eval", "data/smollm2-train/greedy", "data/smollm2-train/sampled-s0", "data/smollm2-train/sampled-s1"]
+    assert [c[c.index("--out") + 1] for c in calls[:4]] == [f"{data}/eval", f"{data}/train/greedy",
+                                                            f"{data}/train/sampled-s0", f"{data}/train/sampled-s1"]
     train = calls[4]
     cfg = load_config(os.path.join(ROOT, train[train.index("--config") + 1]), [a for a in train[3:] if "=" in a])
-    assert cfg.optim.init_from_drafter == f"{tmp_path}/runs/v2.start" and cfg.data.seq_len == 1024
-    assert sorted(os.listdir(tmp_path / "runs" / "v2.start")) == ["drafter.json", "drafter.safetensors"]
+    assert cfg.optim.init_from_drafter == str(shipped) and cfg.data.seq_len == 1024 and cfg.data.feature_cache is None
+    assert cfg.run.time_budget_s == 600 and cfg.optim.schedule == "constant" and cfg.data.train_dir == f"{data}/train"
+    assert cfg.run.out_dir == f"runs/{run_name}" and "--resume" in train
     assert [c[c.index("--temperature") + 1] for c in calls[5:]] == ["0", "1"]
-    with open(tmp_path / "runs" / "v2-calibrated" / "drafter.json") as f:
+    with open(shipped / "drafter.json") as f:  # the calibrated sitting's drafter is the shipped one now
         assert sorted(json.load(f)["sts_by_temperature"]) == ["0", "1"]
+    rows = [json.loads(line) for line in open(data / "sittings.jsonl")]
+    assert [(r["steps"], r["tau_start"], r["tau_end"], r["shipped"]) for r in rows] == [(500, 1.8, 1.9, True)]
 
-    assert [c[1] for c in run()] == ["dspark_jax.datagen"] * 4  # the rest is done
+    calls = run(1.7)  # a sitting that does not beat the shipped drafter changes nothing but the log
+    assert [c[1] for c in calls] == ["dspark_jax.datagen"] * 4 + ["dspark_jax.train"]
+    rows = [json.loads(line) for line in open(data / "sittings.jsonl")]
+    assert [r["shipped"] for r in rows] == [True, False]
     log.unlink()
-    dry = subprocess.run(["bash", os.path.join(LAUNCH, "smollm2_drafter.sh"), "--dry-run"], cwd=ROOT, env=env,
+    dry = subprocess.run(["bash", os.path.join(LAUNCH, "smollm2_drafter.sh"), "--dry-run"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, check=True)
     assert not log.exists()  # prints, runs nothing
-    assert [line.split()[2] for line in dry.stdout.splitlines()] == ["dspark_jax.datagen"] * 4
+    assert [line.split()[2] for line in dry.stdout.splitlines() if not line.startswith("#")] == \
+        ["dspark_jax.datagen"] * 4 + ["dspark_jax.train"]
+    assert f"# {data}/eval: not started" in dry.stdout and "then, if its held-out expected tau beats" in dry.stdout
 
 
 def test_smollm2_recipe_on_an_accelerator_trains_without_a_feature_cache(tmp_path):
-    """FEATURE_CACHE=none: the target runs in each training step (no cache folder named anywhere);
-    DATAGEN_BATCH reaches every datagen step."""
+    """DATAGEN_BATCH reaches every datagen step; the training sitting runs the target in each step
+    unless FEATURE_CACHE names a folder."""
     from dspark_jax.training.config import load_config
 
-    env = {**os.environ, "RUN": str(tmp_path / "v2"), "FEATURE_CACHE": "none", "DATAGEN_BATCH": "256"}
+    env = {**os.environ, "FEATURE_CACHE": "none", "DATAGEN_BATCH": "256"}
     dry = subprocess.run(["bash", os.path.join(LAUNCH, "smollm2_drafter.sh"), "--dry-run"], cwd=ROOT, env=env,
                          capture_output=True, text=True, check=True)
     calls = [line.split() for line in dry.stdout.splitlines() if line.split()[1:2] == ["-m"]]
@@ -538,7 +558,7 @@ def test_smollm2_recipe_on_an_accelerator_trains_without_a_feature_cache(tmp_pat
     (train,) = [c for c in calls if c[2] == "dspark_jax.train"]
     cfg = load_config(os.path.join(ROOT, train[train.index("--config") + 1]), [a for a in train[3:] if "=" in a])
     assert cfg.data.feature_cache is None and cfg.data.seq_len == 1024
-    default = subprocess.run(["bash", os.path.join(LAUNCH, "smollm2_drafter.sh"), "--dry-run"], cwd=ROOT,
-                             env={**env, "FEATURE_CACHE": "", "DATAGEN_BATCH": ""}, capture_output=True, text=True,
-                             check=True)
-    assert "data.feature_cache=data/smollm2-train-features" in default.stdout and "--batch-size 32" in default.stdout
+    cached = subprocess.run(["bash", os.path.join(LAUNCH, "smollm2_drafter.sh"), "--dry-run"], cwd=ROOT,
+                            env={**env, "FEATURE_CACHE": "data/features", "DATAGEN_BATCH": ""}, capture_output=True,
+                            text=True, check=True)
+    assert "data.feature_cache=data/features" in cached.stdout and "--batch-size 32" in cached.stdout

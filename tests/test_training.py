@@ -203,6 +203,43 @@ def test_init_from_drafter_starts_from_its_weights(tmp_path):
         Trainer(tiny_config(tmp_path, init_from_drafter=str(tmp_path / "nowhere")), target, progress=False)
 
 
+def test_a_sitting_stops_at_its_time_budget_and_resumes_where_it_stopped(tmp_path, monkeypatch):
+    """run.time_budget_s: the run stops after the step that leaves no room for another, with a
+    checkpoint and a held-out evaluation there; started from a drafter, its step-0 record is that
+    drafter's score on the same held-out batches; --resume goes on to optim.steps."""
+    import itertools
+
+    from dspark_jax.drafters.checkpoint import save_drafter
+    from dspark_jax.training import trainer as trainer_module
+    from dspark_jax.training.trainer import lr_schedule
+
+    target = tiny_target()
+    source = Trainer(tiny_config(tmp_path), target, progress=False)
+    save_drafter(str(tmp_path / "drafter"), source.dcfg, params_of(source.init_state(seed=5)))
+    source.close()
+    write_tiny_data(str(tmp_path / "eval"), n=8, seed=1)
+    cfg = tiny_config(tmp_path, init_from_drafter=str(tmp_path / "drafter"), schedule="constant", warmup_steps=2)
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, time_budget_s=35.0, save_every=1000, eval_batches=1),
+                              data=dataclasses.replace(cfg.data, eval_dir=str(tmp_path / "eval")))
+    clock = itertools.count(0.0, 10.0)  # the budget's clock reads 0 at the start, then 10 s more at each step
+    monkeypatch.setattr(trainer_module.TimeBudget, "clock", staticmethod(lambda: next(clock)))
+    first = Trainer(cfg, target, progress=False)
+    stopped = first.fit(progress=False)
+    first.close()
+    log = [json.loads(l) for l in open(os.path.join(cfg.run.out_dir, "metrics.jsonl"))]
+    assert int(stopped.step) == 3 < cfg.optim.steps  # 30 s spent: another 10 s step would pass 35 s
+    assert log[0]["step"] == 0 and "eval_expected_tau" in log[0] and "loss" not in log[0]
+    assert log[-1]["step"] == 3 and log[-1]["time_budget_spent"] and "eval_expected_tau" in log[-1]
+    assert trainer_module._finished_steps(cfg.run.out_dir) == [3]
+    monkeypatch.undo()
+    unlimited = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, time_budget_s=0.0))
+    second = Trainer(unlimited, target, progress=False)
+    assert int(second.fit(resume=True, allow_schedule_change=True, progress=False).step) == cfg.optim.steps
+    second.close()
+    lr = lr_schedule(cfg.optim)
+    assert [float(lr(i)) for i in (0, 1, 2, 100)] == pytest.approx([0.0, 1.5e-3, 3e-3, 3e-3])
+
+
 def test_init_from_target_copies_the_last_target_layers(tmp_path):
     cfg = tiny_config(tmp_path, init_from_target=True)
     target = tiny_target()

@@ -73,6 +73,11 @@ class DataConfig:
 class OptimConfig:
     lr: float = setting(6e-4, gt=0)
     warmup_frac: float = setting(0.04, ge=0, le=1)
+    # Warmup steps, instead of warmup_frac x steps (a run whose length a time budget decides).
+    warmup_steps: int | None = setting(None, ge=1)
+    # cosine: decay to 0 at optim.steps. constant: hold lr after the warmup (a run that a
+    # run.time_budget_s ends, continued from a drafter in the next sitting: docs/training.md).
+    schedule: str = setting("cosine", choices=("cosine", "constant"))
     weight_decay: float = setting(0.0, ge=0)
     clip_norm: float = setting(1.0, gt=0)
     b1: float = setting(0.9, ge=0, lt=1)
@@ -105,6 +110,9 @@ class RunConfig:
     keep_checkpoints: int = setting(2, ge=1)
     eval_every: int = setting(0, ge=0)  # 0 = only at the end
     eval_batches: int = setting(8, ge=1)
+    # Wall-clock seconds this process may train (0: no limit): the run stops, saves and exports
+    # after the step that leaves less than one more step's time; --resume continues it.
+    time_budget_s: float = setting(0.0, ge=0)
     compute_dtype: str = setting("bfloat16", choices=("float32", "bfloat16", "float16"))  # master weights: float32
     mesh: tuple[int, int, int] = setting((-1, 1, 1), ge=-1)  # (data, fsdp, tensor); -1 = all remaining devices
 

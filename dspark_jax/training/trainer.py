@@ -72,9 +72,13 @@ class TrainState:
 
 
 def lr_schedule(o: OptimConfig) -> optax.Schedule:
-    """Linear warmup over warmup_frac x steps, then cosine decay to 0 at optim.steps: both depend
-    on optim.steps, so a resume that changes it continues on the new curve (`check_run_folder`)."""
-    warmup = max(1, int(o.warmup_frac * o.steps))
+    """Linear warmup (optim.warmup_steps, else warmup_frac x steps), then cosine decay to 0 at
+    optim.steps, or lr held (optim.schedule=constant). The cosine depends on optim.steps, so a
+    resume that changes it continues on the new curve (`check_run_folder`)."""
+    warmup = o.warmup_steps if o.warmup_steps is not None else max(1, int(o.warmup_frac * o.steps))
+    if o.schedule == "constant":
+        return optax.join_schedules([optax.linear_schedule(0.0, o.lr, warmup), optax.constant_schedule(o.lr)],
+                                    [warmup])
     return optax.warmup_cosine_decay_schedule(0.0, o.lr, warmup, max(o.steps, warmup + 1), end_value=0.0)
 
 
@@ -257,7 +261,7 @@ _STEP_DIR = re.compile(r"\d+(\.orbax-checkpoint-tmp.*)?")  # orbax step folders,
 # other optim settings, run.compute_dtype) is what was trained and must stay; run.out_dir is the
 # folder itself, which may have moved.
 SCHEDULE_KEYS = ("optim.steps", "run.log_every", "run.save_every", "run.keep_checkpoints", "run.eval_every",
-                 "run.eval_batches", "run.mesh")
+                 "run.eval_batches", "run.mesh", "run.time_budget_s")
 IGNORED_KEYS = ("run.out_dir",)
 _UNSET = "<unset>"
 
@@ -446,6 +450,31 @@ def _check_same_everywhere(what: str, text: str) -> None:
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+class TimeBudget:
+    """run.time_budget_s: after each step, whether another step would overrun the budget (the
+    slowest of the last few steps, the first one's compilation left out). Process 0's clock decides
+    for every process, so all stop at the same step."""
+
+    clock = staticmethod(time.perf_counter)
+
+    def __init__(self, seconds: float):
+        self.seconds, self.start, self.last, self.steps = seconds, self.clock(), None, []
+
+    def spent_after_step(self) -> bool:
+        if not self.seconds:
+            return False
+        now = self.clock()
+        if self.last is not None:
+            self.steps = (self.steps + [now - self.last])[-5:]
+        self.last = now
+        spent = now - self.start + (max(self.steps) if self.steps else 0.0) > self.seconds
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            spent = bool(multihost_utils.broadcast_one_to_all(np.asarray(spent)))
+        return spent
 
 
 class Trainer:
@@ -770,27 +799,40 @@ class Trainer:
         bar = tqdm(total=cfg.optim.steps, initial=start, disable=not (progress and primary), desc="train",
                    unit="step")
         rows = self.batch_rows
-        t_last, blocks = time.perf_counter(), 0
+        budget = TimeBudget(cfg.run.time_budget_s)
         # On an object store metrics.jsonl is rewritten whole every files.OBJECT_REWRITE_S seconds (no appends).
         with files.open_append(log_path) if primary else open(os.devnull, "a") as log:
+            if start == 0 and cfg.optim.init_from_drafter and cfg.data.eval_dir:
+                # The drafter it starts from, on the same held-out batches: what the run must beat.
+                log.write(json.dumps({"step": 0, **self.evaluate(state.params)}) + "\n")
+                log.flush()
+            t_last, blocks = time.perf_counter(), 0
             for _ in range(start, end):
                 batch, batch_blocks = self.next_batch()
                 blocks += batch_blocks
                 state, metrics = self.train_step(state, self.target_params, batch)
                 step = int(state.step)
                 bar.update(1)
-                if step % cfg.run.log_every == 0 or step == cfg.optim.steps:  # not at stop_after
+                stop = budget.spent_after_step()  # the same answer on every process (process 0's clock)
+                if step % cfg.run.log_every == 0 or step == cfg.optim.steps or stop:  # not at stop_after
                     now = time.perf_counter()
                     record = {"step": step, **{k: np.asarray(v).tolist() for k, v in metrics.items()},
                               "blocks_per_s": blocks / (now - t_last), "rows": rows}
-                    if (cfg.run.eval_every and step % cfg.run.eval_every == 0) or step == cfg.optim.steps:
+                    if (cfg.run.eval_every and step % cfg.run.eval_every == 0) or step == cfg.optim.steps or stop:
                         record.update(self.evaluate(state.params))  # held-out tau proxy, per-position acceptance
+                    if stop:
+                        record["time_budget_spent"] = True
                     t_last, blocks = time.perf_counter(), 0
                     log.write(json.dumps(record) + "\n")
                     log.flush()
                     bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record.get('expected_tau', 0):.2f}")
-                if step % cfg.run.save_every == 0 or step == end:
+                if step % cfg.run.save_every == 0 or step == end or stop:
                     self.save(state)
+                if stop:
+                    if primary:
+                        print(f"run.time_budget_s={cfg.run.time_budget_s:g} spent: stopped at step {step} "
+                              f"(--resume continues)", file=sys.stderr, flush=True)
+                    break
         bar.close()
         self.manager.wait_until_finished()
         return state
