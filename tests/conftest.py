@@ -21,9 +21,12 @@ ALLOW_FEWER_DEVICES = "DSPARK_ALLOW_FEWER_DEVICES"
 # inherit the environment): the same programs (the real SmolLM2's prefill and decode steps, a tiny
 # model's verify pass) otherwise compile again in every module (each one's compiled programs are
 # freed at its end, below) and in every subprocess. A fresh folder per run, deleted at its end, so
-# no run reads another's programs; DSPARK_TEST_XLA_CACHE=0 compiles everything afresh.
+# no run reads another's programs; DSPARK_TEST_XLA_CACHE=0 compiles everything afresh. Each pytest-xdist
+# worker gets its own folder: JAX writes cache entries in place (not atomically), and two workers
+# compiling the same program at once could read each other's half-written file.
 _XLA_CACHE = None
-if os.environ.get("DSPARK_TEST_XLA_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+_OWN_CACHE = "PYTEST_XDIST_WORKER" in os.environ or "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if os.environ.get("DSPARK_TEST_XLA_CACHE", "1") != "0" and _OWN_CACHE:
     _XLA_CACHE = tempfile.mkdtemp(prefix="dspark-test-xla-")
     os.environ.update(JAX_COMPILATION_CACHE_DIR=_XLA_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")

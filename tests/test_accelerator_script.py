@@ -42,6 +42,7 @@ def items(results, part):
     return [i["result"] for i in results["parts"][part]["items"]]
 
 
+@pytest.mark.slow  # ~3 min: the smoke run of every benchmark part (preflight and budget stay in the default run)
 def test_every_part_is_measured(smoke):
     _, results, _ = smoke
     meta = results["meta"]

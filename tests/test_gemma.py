@@ -246,6 +246,7 @@ def test_gemma3_270m_logits_match_transformers(gemma_pair):
     np.testing.assert_allclose(got, want, atol=2e-3, rtol=0)
 
 
+@pytest.mark.slow  # the default run compares the same prompts' greedy tokens through `decode --raw` (below)
 @needs_gemma
 def test_gemma3_270m_greedy_generation_matches_transformers(gemma_pair):
     """Including a prompt longer than the 512-token window, so the local layers' window binds."""
@@ -265,6 +266,7 @@ def test_gemma3_270m_greedy_generation_matches_transformers(gemma_pair):
         assert ours_ids == out[0, len(ids):].tolist()
 
 
+@pytest.mark.slow  # ~1.5 min; training and lossless decoding are tested on tiny targets of every family
 @needs_gemma
 def test_dspark_drafter_trains_on_gemma3_270m_and_decodes_losslessly(gemma_pair, tmp_path):
     """A DSpark drafter for the real Gemma target: a few training steps on the target's own greedy

@@ -94,7 +94,7 @@ def read_json(path):
         return json.load(f)
 
 
-@pytest.mark.parametrize("temperature", ["1", "0"], ids=["sampled", "greedy"])
+@pytest.mark.parametrize("temperature", [pytest.param("1", marks=pytest.mark.slow), "0"], ids=["sampled", "greedy"])
 def test_eval_two_processes_write_the_one_process_report(setup, tiny_target_folder, tmp_path, temperature):
     # greedy: the DSpark drafter alone (its rounds exercise the calibration numbers), a shorter run
     drafters = ("dspark", "dflash") if temperature == "1" else ("dspark",)
