@@ -42,7 +42,9 @@ def items(results, part):
     return [i["result"] for i in results["parts"][part]["items"]]
 
 
-@pytest.mark.slow  # ~3 min: the smoke run of every benchmark part (preflight and budget stay in the default run)
+# The three tests of the smoke run (one ~3-minute run of every benchmark part, the module fixture)
+# are in the slow set; the preflight and the time budget stay in the default run.
+@pytest.mark.slow
 def test_every_part_is_measured(smoke):
     _, results, _ = smoke
     meta = results["meta"]
@@ -82,6 +84,7 @@ def test_every_part_is_measured(smoke):
     assert train["estimated_full_depth_s_per_step"] > train["s_per_step"]
 
 
+@pytest.mark.slow
 def test_markdown_labels_every_table(smoke):
     _, results, md = smoke
     meta = results["meta"]
@@ -94,6 +97,7 @@ def test_markdown_labels_every_table(smoke):
         assert section.index(label) < section.index("|---")
 
 
+@pytest.mark.slow
 def test_outputs_fit_what_the_device_tool_returns(smoke):
     out, results, md = smoke
     files = sorted(os.listdir(out))
