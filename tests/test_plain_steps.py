@@ -49,8 +49,8 @@ class PricedGate(PlainStepGate):
         super().__init__()
         self.costs = (round_s, plain_s)
 
-    def observe_round(self, seconds, tokens_per_request):
-        super().observe_round(self.costs[0], tokens_per_request)
+    def observe_round(self, seconds, tokens_per_request, expected_per_request=None):
+        super().observe_round(self.costs[0], tokens_per_request, expected_per_request)
 
     def observe_plain(self, seconds, steps=1):
         super().observe_plain(self.costs[1] * steps, steps)
@@ -224,15 +224,19 @@ def test_a_drafter_that_pays_keeps_drafting():
 # ----------------------------------------------------------------------------- the gate itself
 
 
-def feed(gate: PlainStepGate, steps: int, round_s: float, plain_s: float, tau: float) -> str:
-    """Run the gate for `steps` decisions with fixed costs; 'R' for a round, 'p' for a plain step."""
+def feed(gate: PlainStepGate, steps: int, round_s: float, plain_s: float, tau, forecast=None) -> str:
+    """Run the gate for `steps` decisions with fixed costs; 'R' for a round, 'p' for a plain step.
+    tau (and the head's forecast, if any): a number, or a function of the round's index."""
     out = ""
+    at = lambda x, i: x(i) if callable(x) else x  # noqa: E731
     for _ in range(steps):
         if gate.plain_now():
             gate.observe_plain(plain_s)
             out += "p"
         else:
-            gate.observe_round(round_s, np.array([tau]))
+            i = out.count("R")
+            gate.observe_round(round_s, np.array([at(tau, i)]),
+                               None if forecast is None else np.array([at(forecast, i)]))
             out += "R"
     return out
 
@@ -245,6 +249,41 @@ def test_gate_measures_a_round_and_a_plain_step_first_then_prefers_the_cheaper_p
     # measured both, then plain steps with re-probes at doubling intervals while the probes lose
     assert steps == "Rp" + "p" * (PROBE_EVERY - 1) + "R" + "p" * (2 * PROBE_EVERY) + "R"
     assert losing.probe_every == 4 * PROBE_EVERY
+
+
+def test_gate_times_a_plain_step_even_when_its_prior_prices_them_out():
+    """A table profiled on a busy machine prices plain steps at 20x their cost: the gate still times
+    one after the first round, and from then on decodes with plain steps (rounds do not pay)."""
+    gate = PlainStepGate(round_s=1.0, plain_s=10.0)
+    steps = feed(gate, 2 + PROBE_EVERY, round_s=1.0, plain_s=0.5, tau=1.2)
+    assert steps == "Rp" + "p" * (PROBE_EVERY - 1) + "R" and gate.plain_s == 0.5
+    wrong_round = PlainStepGate(round_s=0.01, plain_s=0.5)  # a first timing replaces a prior outright
+    feed(wrong_round, 2, round_s=1.0, plain_s=0.5, tau=1.2)
+    assert wrong_round.round_s == 1.0
+
+
+def test_gate_follows_the_heads_forecast_not_each_rounds_luck():
+    """Break-even tau 2 (rounds 1 s, plain steps 0.5 s). Rounds commit 1, 1, 1, 4, 4, 4, ... tokens
+    (2.5 on average) while the head forecasts 2.5 each time: the gate reading committed tokens
+    alone drops to plain steps after the first short rounds; with the forecast it keeps drafting.
+    A head that forecasts 5 where rounds commit 1.2 is corrected by what they commit."""
+    luck = lambda i: 1.0 if (i // 3) % 2 == 0 else 4.0  # noqa: E731
+    alone = feed(PlainStepGate(), 60, round_s=1.0, plain_s=0.5, tau=luck)
+    with_head = feed(PlainStepGate(), 60, round_s=1.0, plain_s=0.5, tau=luck, forecast=2.5)
+    assert alone.count("p") > 20 and with_head == "Rp" + "R" * 58, (alone, with_head)
+    optimist = PlainStepGate()
+    steps = feed(optimist, 300, round_s=1.0, plain_s=0.5, tau=1.2, forecast=5.0)
+    assert optimist.tau < 2.0 and steps[-100:].count("p") > 90, steps
+
+
+def test_a_dear_losing_probe_spaces_the_probes_out_at_once():
+    """A probe that loses a whole plain step's worth of time (rounds 1.5 s commit 1 token, plain
+    steps 0.5 s) moves the next one out to where probes cost 5% of the time, not 2x further."""
+    from dspark_jax.engine.fallback import PROBE_COST_SHARE
+
+    gate = PlainStepGate()
+    assert feed(gate, 2 + PROBE_EVERY, round_s=1.5, plain_s=0.5, tau=1.0) == "Rp" + "p" * (PROBE_EVERY - 1) + "R"
+    assert gate.probe_every == int(np.ceil(1.0 / (PROBE_COST_SHARE * 0.5))) > 2 * PROBE_EVERY
 
 
 def test_gate_probe_interval_is_capped_and_resets_when_a_probe_wins():
@@ -275,9 +314,9 @@ class TimedGate(ScriptedGate):
         super().__init__(pattern)
         self.seen = {"round": [], "plain": []}
 
-    def observe_round(self, seconds, tokens_per_request):
+    def observe_round(self, seconds, tokens_per_request, expected_per_request=None):
         self.seen["round"].append(seconds)
-        super().observe_round(seconds, tokens_per_request)
+        super().observe_round(seconds, tokens_per_request, expected_per_request)
 
     def observe_plain(self, seconds, steps=1):
         self.seen["plain"].append(seconds)

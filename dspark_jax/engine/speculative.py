@@ -348,6 +348,7 @@ def round_program(target_params, dparams, state_shape, temps, *, tcfg: ModelConf
     if gate is None:
         return run_round
     run_plain = compiled(spec_plain, (target_params, dparams, state_shape, np.int32(1)), statics, warm=True)
+    head = dcfg.kind == "dspark" and dcfg.confidence
 
     def run_step(target_params, dparams, state, temps):
         # A program's first execution on XLA:CPU costs 2-5x the later ones (buffers, thunks): its
@@ -363,10 +364,19 @@ def round_program(target_params, dparams, state_shape, temps, *, tcfg: ModelConf
         else:
             state, stats = run_round(target_params, dparams, state, temps)
             active, accepted = np.asarray(stats.active), np.asarray(stats.accepted)
-            gate.observe_round(time.perf_counter() - t if len(ran) == before else None, accepted[active] + 1)
+            gate.observe_round(time.perf_counter() - t if len(ran) == before else None, accepted[active] + 1,
+                               forecast_tokens(stats, temps)[active] if head else None)
         return state, stats
 
     return run_step
+
+
+def forecast_tokens(stats: RoundStats, temperatures) -> np.ndarray:
+    """[B] the tokens each row's round was expected to commit by the confidence head: 1 + the
+    calibrated prefix survival of the drafts it verified (the plain-step gate's tau, see fallback)."""
+    survival = np.asarray(S.survival_from_logits(stats.confidence_logits, temperatures), np.float64)
+    verified = np.arange(survival.shape[-1]) < np.asarray(stats.num_draft)[:, None]
+    return 1.0 + np.sum(np.where(verified, survival, 0.0), axis=-1)
 
 
 def _check_gamma(cfg: SpecConfig, dcfg: DrafterConfig) -> None:
