@@ -202,7 +202,7 @@ def generate(
             row_keys(jax.random.key(seed), np.arange(len(prompts))))
     t0 = time.perf_counter()
     run_prefill = compiled(prefill, args, dict(cfg=cfg, sampling=sampling, max_len=max_len, max_new=max_new_tokens,
-                                               stop_ids=stop, width=tokens.shape[1]))
+                                               stop_ids=stop, width=tokens.shape[1]), warm=True)
     run_chunk = compiled(decode_chunk, (params, run_prefill.out_info),
                          dict(cfg=cfg, sampling=sampling, stop_ids=stop, steps=chunk), warm=True)
     compile_s = time.perf_counter() - t0
@@ -214,7 +214,7 @@ def generate(
     bar = tqdm(total=max_new_tokens, disable=not progress, unit="tok", desc="decode", leave=False)
     bar.update(1)
     while True:
-        step, done = int(state.step), bool(jnp.all(state.done))
+        step, done = int(state.step), bool(np.all(np.asarray(state.done)))  # numpy: no eager program to compile
         if done or step >= max_new_tokens:
             break
         state = run_chunk(params, state)
@@ -327,10 +327,12 @@ def serve(
     t0 = time.perf_counter()
     if each_alone:
         first_args = (params,)
-        run_first = compiled(empty_state, first_args, dict(cfg=cfg, rows=slots, max_len=max_len, max_new=max_new_tokens))
+        run_first = compiled(empty_state, first_args, dict(cfg=cfg, rows=slots, max_len=max_len, max_new=max_new_tokens),
+                             warm=True)
     else:
         first_args = prefill_args(prompts[:slots]) + (row_keys(base_key, ids[:slots]),)
-        run_first = compiled(prefill, first_args, dict(statics, width=bucket(max(len(p) for p in prompts[:slots]))))
+        run_first = compiled(prefill, first_args, dict(statics, width=bucket(max(len(p) for p in prompts[:slots]))),
+                             warm=True)
     run_chunk = compiled(serve_chunk, (params, run_first.out_info),
                          dict(cfg=cfg, sampling=sampling, stop_ids=stop, steps=chunk), warm=True)
     run_refill = {}  # one program per prompt length bucket
@@ -338,11 +340,11 @@ def serve(
         w = bucket(len(p))
         if w not in run_refill:
             run_refill[w] = compiled(prefill_request, prefill_args([p]) + (base_key, np.uint32(0)),
-                                     dict(statics, width=w))
+                                     dict(statics, width=w), warm=True)
     run_admit = None
     if run_refill:
         one = next(iter(run_refill.values())).out_info
-        run_admit = compiled(admit_row, (run_first.out_info, one, np.int32(0)), {})
+        run_admit = compiled(admit_row, (run_first.out_info, one, np.int32(0)), {}, warm=True)
     compile_s = time.perf_counter() - t0
 
     def refill(state, row, index):

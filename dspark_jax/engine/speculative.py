@@ -80,6 +80,9 @@ class RoundStats:
     num_draft: jax.Array  # [B] draft tokens verified
     accepted: jax.Array  # [B] draft tokens accepted (tau = accepted + 1)
     confidence_logits: jax.Array  # [B, gamma] raw confidence logits (zeros without a head)
+    # [B] the tokens the head forecast for the round: 1 + the calibrated prefix survival of the drafts
+    # verified (what the plain-step gate reads: engine/fallback.py; meaningless without a head)
+    forecast: jax.Array
     # [] int32: 0 for a round; else the plain target steps this entry ran instead (DESIGN.md 3.3b), `active`
     # then counting the steps each row took part in
     plain: jax.Array
@@ -141,6 +144,7 @@ class Drafted:
     log_probs: jax.Array | None  # [B, g, V] processed draft distributions (None when greedy: unused)
     confidence_logits: jax.Array  # [B, g] raw (zeros without a confidence head)
     num_draft: jax.Array  # [B] draft tokens to verify (0 for inactive rows)
+    forecast: jax.Array  # [B] see RoundStats
     sched: S.AsyncSchedulerState
     key: jax.Array  # the state's next key
     verify_key: jax.Array
@@ -158,7 +162,9 @@ def draft_and_schedule(target_params, dparams, state: SpecState, temperatures, *
     # Greedy verification compares tokens only: without the V-wide distributions as an output, jit
     # drops their computation from the draft pass (a log-softmax over the vocabulary per slot).
     log_probs = None if cfg.sampling.greedy else proposal.log_probs
-    return Drafted(proposal.tokens, log_probs, conf, num_draft, sched, key, k_verify)
+    verified = jnp.arange(conf.shape[-1]) < num_draft[:, None]
+    forecast = 1.0 + jnp.sum(jnp.where(verified, S.survival_from_logits(conf, temperatures), 0.0), axis=-1)
+    return Drafted(proposal.tokens, log_probs, conf, num_draft, forecast, sched, key, k_verify)
 
 
 def _target_pass(target_params, *, tcfg: ModelConfig, tap_layers, cache: decoder.KVCache, verify_tokens, num_new,
@@ -202,7 +208,8 @@ def verify_and_commit(target_params, dparams, state: SpecState, drafted: Drafted
     emitted = jnp.where(slot < accepted[:, None], jnp.pad(draft_tokens, ((0, 0), (0, 1))), bonus[:, None])
     new_state = _commit(dparams, dcfg, target_params, state, cache, verify_tokens, taps, emitted, accepted,
                         drafted.key, drafted.sched, cfg)
-    return new_state, RoundStats(active, num_draft, accepted, drafted.confidence_logits, jnp.zeros((), jnp.int32))
+    return new_state, RoundStats(active, num_draft, accepted, drafted.confidence_logits, drafted.forecast,
+                                 jnp.zeros((), jnp.int32))
 
 
 def plain_and_commit(target_params, dparams, state: SpecState, *, tcfg: ModelConfig, dcfg: DrafterConfig,
@@ -250,7 +257,7 @@ def plain_steps(target_params, dparams, state: SpecState, steps, *, tcfg: ModelC
     draft = drafting.commit(dparams, dcfg, target_params, state.draft, anchors, taps, took, took > 0)
     zeros = jnp.zeros((B,), jnp.int32)
     return dataclasses.replace(end, draft=draft), RoundStats(took, zeros, zeros, jnp.zeros((B, cfg.gamma), jnp.float32),
-                                                             ran)
+                                                             jnp.ones((B,), jnp.float32), ran)
 
 
 def _commit(dparams, dcfg: DrafterConfig, target_params, state: SpecState, cache: decoder.KVCache, verify_tokens,
@@ -341,7 +348,8 @@ def round_program(target_params, dparams, state_shape, temps, *, tcfg: ModelConf
 
         def run_round(target_params, dparams, state, temps):
             drafted = run_draft(target_params, dparams, state, temps)
-            scheduled = int(jnp.sum(jnp.where(state.done, 0, drafted.num_draft + 1)))
+            # numpy, not jnp: an eager jnp op compiles on its first call, inside the timed path
+            scheduled = int(np.sum(np.where(np.asarray(state.done), 0, np.asarray(drafted.num_draft) + 1)))
             bucket = int(pad_to_bucket(cfg.verify_buckets, scheduled))
             ran.add(bucket)
             return run_verify[bucket](target_params, dparams, state, drafted)
@@ -365,18 +373,16 @@ def round_program(target_params, dparams, state_shape, temps, *, tcfg: ModelConf
             state, stats = run_round(target_params, dparams, state, temps)
             active, accepted = np.asarray(stats.active), np.asarray(stats.accepted)
             gate.observe_round(time.perf_counter() - t if len(ran) == before else None, accepted[active] + 1,
-                               forecast_tokens(stats, temps)[active] if head else None)
+                               np.asarray(stats.forecast)[active] if head else None)
         return state, stats
 
     return run_step
 
 
-def forecast_tokens(stats: RoundStats, temperatures) -> np.ndarray:
-    """[B] the tokens each row's round was expected to commit by the confidence head: 1 + the
-    calibrated prefix survival of the drafts it verified (the plain-step gate's tau, see fallback)."""
-    survival = np.asarray(S.survival_from_logits(stats.confidence_logits, temperatures), np.float64)
-    verified = np.arange(survival.shape[-1]) < np.asarray(stats.num_draft)[:, None]
-    return 1.0 + np.sum(np.where(verified, survival, 0.0), axis=-1)
+def host_stats(stats: RoundStats) -> dict:
+    """A step's stats as numpy arrays by name (not `dataclasses.asdict`, which deep-copies every
+    array on the device first: a program per array, compiled on the first round, timed)."""
+    return {f.name: np.asarray(getattr(stats, f.name)) for f in dataclasses.fields(stats)}
 
 
 def _check_gamma(cfg: SpecConfig, dcfg: DrafterConfig) -> None:
@@ -400,7 +406,7 @@ def speculative_generate(
     args = (target_params, dparams, jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32),
             jnp.full((len(prompts),), max_new_tokens, jnp.int32), jax.random.key(seed), flatten_prompts(prompts))
     t0 = time.perf_counter()
-    run_prefill = compiled(spec_prefill, args, dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg, max_len=max_len))
+    run_prefill = compiled(spec_prefill, args, dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg, max_len=max_len), warm=True)
     gate = gate or (PlainStepGate.from_table(cfg.sps, len(prompts), cfg.gamma) if cfg.plain_steps else None)
     run_round = round_program(target_params, dparams, run_prefill.out_info, temps, tcfg=tcfg, dcfg=dcfg, cfg=cfg,
                               gate=gate)
@@ -416,7 +422,7 @@ def speculative_generate(
     while not np.asarray(state.done).all():
         start = time.perf_counter()
         state, stats = run_round(target_params, dparams, state, temps)
-        rounds.append({k: np.asarray(v) for k, v in dataclasses.asdict(stats).items()})
+        rounds.append(host_stats(stats))
         rounds[-1]["seconds"] = time.perf_counter() - start  # reading the stats waited for the round
         now = int(np.sum(np.asarray(state.num_generated)))
         bar.update(now - generated)
@@ -564,7 +570,7 @@ def speculative_serve(
     first_args = prefill_args(first + [prompts[0]] * (slots - len(first)),
                               [max_new_tokens] * len(first) + [1] * (slots - len(first)), jax.random.key(seed))
     t0 = time.perf_counter()
-    run_first = compiled(spec_prefill, first_args, dict(statics, max_len=max_len))
+    run_first = compiled(spec_prefill, first_args, dict(statics, max_len=max_len), warm=True)
     gate = gate or (PlainStepGate.from_table(cfg.sps, slots, cfg.gamma) if cfg.plain_steps else None)
     run_round = round_program(target_params, dparams, run_first.out_info, temps, **statics, gate=gate)
     run_refill, run_admit = {}, {}  # per prompt width bucket
@@ -572,8 +578,9 @@ def speculative_serve(
         args = prefill_args([p], [max_new_tokens], jax.random.key(0))
         width = args[2].shape[1]
         if width not in run_refill:
-            run_refill[width] = compiled(spec_prefill, args, dict(statics, max_len=max_len))
-            run_admit[width] = compiled(admit, (run_first.out_info, run_refill[width].out_info, np.int32(0)), {})
+            run_refill[width] = compiled(spec_prefill, args, dict(statics, max_len=max_len), warm=True)
+            run_admit[width] = compiled(admit, (run_first.out_info, run_refill[width].out_info, np.int32(0)), {},
+                                        warm=True)
     jax.random.key(seed)  # the refills' key op, compiled here rather than at the first refill
     compile_s = time.perf_counter() - t0
 
@@ -588,7 +595,7 @@ def speculative_serve(
     def step(state, owner):
         t = time.perf_counter()
         state, stats = run_round(target_params, dparams, state, temps)
-        stats = {k: np.asarray(v) for k, v in dataclasses.asdict(stats).items()}
+        stats = host_stats(stats)
         totals.add(stats)
         if keep_rounds:
             rounds.append({"request": np.asarray(owner), **stats, "seconds": time.perf_counter() - t})
