@@ -28,7 +28,7 @@ SMOOTHING = 0.3  # weight of the newest observation in the running estimates of 
 # its estimate averages over ~10 rounds; at 0.3 two early rejections in a row swung it below the
 # break-even of a drafter that pays on average (measured: math, tau 2.1, 75% plain steps).
 TAU_SMOOTHING = 0.1
-# With a confidence head the gate follows its forecast of each round's tau (see `_tau_of`): this
+# With a confidence head the gate follows its forecast of each round's tau (see `observe_round`): this
 # much weight on the newest, and a prior of this many tokens on "the forecast is right".
 FORECAST_SMOOTHING = 0.3
 FORECAST_PRIOR = 16.0
