@@ -21,7 +21,9 @@
 # step; a folder: the target's features cached there first, worth it only where building the cache
 # is cheap next to the sitting: docs/results.md section 14), FEATURE_DTYPE (the target's weights for
 # a feature cache build: bfloat16 where the CPU multiplies bf16 natively (AMX, AVX512-BF16), float32
-# elsewhere), RUN (default runs/smollm2-from-<id of the shipped drafter's weights>).
+# elsewhere), RUN (default runs/smollm2-from-<id of the shipped drafter's weights>), DATAGEN (default
+# 1; 0: this sitting trains on the shards committed so far and leaves datagen for a later one, as
+# the training reads partial datagen folders: a sitting's CPU goes to steps while data accrues).
 set -euo pipefail
 
 dry=0
@@ -40,6 +42,7 @@ BUDGET_S=${BUDGET_S:-5400}
 LR=${LR:-3.0e-4}
 WARMUP_STEPS=${WARMUP_STEPS:-50}
 DATAGEN_BATCH=${DATAGEN_BATCH:-32}
+DATAGEN=${DATAGEN:-1}
 FEATURE_CACHE=${FEATURE_CACHE:-none}
 if [ -z "${FEATURE_DTYPE:-}" ]; then
   if grep -qwE 'amx_bf16|avx512_bf16' /proc/cpuinfo 2>/dev/null; then FEATURE_DTYPE=bfloat16; else FEATURE_DTYPE=float32; fi
@@ -70,6 +73,7 @@ PY
 datagen() {  # datagen into $1 (further flags follow); a complete folder is only verified (sha256)
   local out=$1; shift
   [ "$dry" = 1 ] && echo "# $(data_status "$out")"
+  if [ "$DATAGEN" = 0 ]; then echo "# DATAGEN=0: not this sitting"; return; fi
   step "$PYTHON" -m dspark_jax.datagen --out "$out" --max-new-tokens 384 --batch-size "$DATAGEN_BATCH" "$@"
 }
 
