@@ -15,6 +15,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DSPARK_MALLOC", "system")
 # Several fake CPU devices for the sharding tests; must be set before JAX initialises.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+# XLA:CPU's code generation without LLVM's optimisations: most of the suite's time is compiling
+# programs that then run a few times on tiny models (compilation was 79% of two engine files'
+# time; at level 0 a verify program compiles in 2.2 s instead of 4.5). The programs compute the
+# same functions (the real models' products run in our own kernels, compiled once by the build);
+# DSPARK_TEST_XLA_OPT=2 (or any level) tests the code generation users get (docs/testing.md).
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += f" --xla_backend_optimization_level={os.environ.get('DSPARK_TEST_XLA_OPT', '0')}"
 ALLOW_FEWER_DEVICES = "DSPARK_ALLOW_FEWER_DEVICES"
 
 # One persistent XLA cache for the whole run, this process and every CLI subprocess it starts (they
@@ -48,6 +55,21 @@ def pytest_configure(config):
                                        "(then skips)")
 
 
+# The files that take longest, longest first (`python tests/durations.py`, docs/testing.md): the two
+# workers take files in collection order (`--no-loadscope-reorder`: xdist would otherwise start with
+# the files holding the most tests), so a long file never starts last beside an idle worker.
+LONGEST_FIRST = ("test_speculative", "test_gemma", "test_plain_steps", "test_notebooks", "test_decode_offline",
+                 "test_shipped_drafter", "test_training", "test_drafting", "test_multiprocess_eval",
+                 "test_generate", "test_plan", "test_feature_cache", "test_eval", "test_multiprocess_train",
+                 "test_dspark_drafter", "test_decoder_cache", "test_multiprocess_decode", "test_cli",
+                 "test_gguf", "test_tokenizer")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the rest keep their order
+
+
 def pytest_runtest_setup(item):
     """A test marked needs_devices(n) fails (not skips) when fewer than n devices are visible, so a
     run that silently lost its fake devices cannot pass; DSPARK_ALLOW_FEWER_DEVICES=1 turns it into a skip."""
@@ -64,6 +86,37 @@ def pytest_runtest_setup(item):
     if os.environ.get(ALLOW_FEWER_DEVICES) == "1":
         pytest.skip(message)
     pytest.fail(message, pytrace=False)
+
+@pytest.fixture(scope="session")
+def transformers_gguf_tokenizer(tmp_path_factory):
+    """path -> transformers' tokenizer converted from that GGUF file, once per run: the conversion
+    takes ~1 minute for Gemma 3's 262k-token vocabulary, and three test files compare with it. The
+    first worker to need it converts it and saves it (`save_pretrained`: the whole fast tokenizer)
+    in a folder of the run shared by the pytest-xdist workers, under a lock; the others read that."""
+    import functools
+    import hashlib
+
+    import filelock
+    import transformers
+
+    root = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:  # the workers' base folders share the run's folder
+        root = root.parent
+
+    @functools.cache
+    def load(path: str):
+        folder = root / f"transformers-tokenizer-{hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]}"
+        with filelock.FileLock(f"{folder}.lock"):
+            if not (folder / "complete").exists():
+                tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                                                       gguf_file=os.path.basename(path))
+                tokenizer.save_pretrained(folder)
+                (folder / "complete").write_text("")
+                return tokenizer
+        return transformers.AutoTokenizer.from_pretrained(folder)
+
+    return load
+
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

@@ -313,14 +313,13 @@ def test_dspark_drafter_trains_on_gemma3_270m_and_decodes_losslessly(gemma_pair,
 
 
 @needs_gemma
-def test_decode_raw_on_gemma3_270m_is_bos_and_transformers_greedy_tokens(gemma_pair, tmp_path, capsys, monkeypatch):
+def test_decode_raw_on_gemma3_270m_is_bos_and_transformers_greedy_tokens(gemma_pair, transformers_gguf_tokenizer,
+                                                                         tmp_path, capsys, monkeypatch):
     """`decode --raw` (prompts file, one prompt past the 512-token window): the ids of transformers'
     `tokenizer(text)`, BOS first, and transformers' greedy continuation token for token."""
     import json
-    import os
 
     import torch
-    import transformers
 
     from dspark_jax import decode
     from dspark_jax.checkpoints import registry
@@ -328,8 +327,7 @@ def test_decode_raw_on_gemma3_270m_is_bos_and_transformers_greedy_tokens(gemma_p
     ours, theirs = gemma_pair
     load = registry.load_target  # the command's whole path, with the fixture's target (loaded once)
     monkeypatch.setattr(registry, "load_target", lambda name, **kw: ours if name == "gemma3-270m" else load(name, **kw))
-    folder, name = os.path.split(ours.path)
-    ref = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    ref = transformers_gguf_tokenizer(ours.path)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in RAW_PROMPTS))
     new = 10

