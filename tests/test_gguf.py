@@ -329,3 +329,44 @@ def test_unsupported_quantisation_type(tiny_hf_model, tmp_path):
     write_tiny_gguf(path, model, override={"blk.1.ffn_down.weight": (blocks, Q.IQ4_NL)})
     with pytest.raises(UserError, match=r"tensor 'blk\.1\.ffn_down\.weight' uses unsupported GGUF type IQ4_NL"):
         load_gguf_model(path)
+
+
+def gguf_py_view(path: str):
+    """gguf-py's GGUFReader's reading of a file (the reference our reader replaces): metadata
+    without its three header pseudo-fields, and (name, type, numpy shape, data) per tensor."""
+    reader = gguf.GGUFReader(path)
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    return meta, [(t.name, t.tensor_type, tuple(reversed(t.shape.tolist())), t.data) for t in reader.tensors]
+
+
+@pytest.mark.parametrize("endian", ["little", "big"])
+def test_our_reader_reads_what_gguf_py_reads(tiny_hf_model, tmp_path, endian):
+    """`open_gguf` parses the header itself (gguf-py's reader takes 18 s over Gemma 3's vocabulary):
+    the same metadata, value types included, and the same tensor views as GGUFReader, on the real
+    SmolLM2 file and on a file holding every metadata value type, in both byte orders."""
+    path = str(tmp_path / f"values-{endian}.gguf")
+    w = gguf.GGUFWriter(path, "llama", endianess=gguf.GGUFEndian.BIG if endian == "big" else gguf.GGUFEndian.LITTLE)
+    for i, (add, value) in enumerate([(w.add_uint8, 200), (w.add_int8, -5), (w.add_uint16, 60000), (w.add_int16, -300),
+                                      (w.add_uint32, 2**31 + 7), (w.add_int32, -2**30), (w.add_float32, 0.1),
+                                      (w.add_uint64, 2**63 + 1), (w.add_int64, -2**40), (w.add_float64, 0.1),
+                                      (w.add_bool, True), (w.add_string, "héllo ▁ world"),
+                                      (w.add_array, ["a", "", "ü" * 300]), (w.add_array, [1, 2, 3]),
+                                      (w.add_array, [0.5, -1.25])]):
+        add(f"test.key{i}", value)
+    w.add_tensor("f32", np.arange(12, dtype=np.float32).reshape(3, 4))
+    w.add_tensor("f16", np.arange(64, dtype=np.float16).reshape(2, 32))
+    q8 = gguf.quants.quantize(np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32), Q.Q8_0)
+    w.add_tensor("q8", q8, raw_dtype=Q.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for file in (path, smollm2_gguf_path()) if endian == "little" else (path,):
+        ours = open_gguf(file)
+        meta, tensors = gguf_py_view(file)
+        assert list(ours.metadata) == list(meta)
+        for key, value in meta.items():
+            assert ours.metadata[key] == value and type(ours.metadata[key]) is type(value), key
+        assert [(t.name, t.tensor_type, t.shape) for t in ours.tensors] == [t[:3] for t in tensors]
+        for t, (_, _, _, data) in zip(ours.tensors, tensors):
+            assert t.data.shape == data.shape and np.array_equal(t.data, data), t.name
