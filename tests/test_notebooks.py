@@ -6,7 +6,6 @@ of those claims as well as of the API they use."""
 
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -40,9 +39,5 @@ def test_notebook_runs(name, tmp_path):
     # The training demo at a third of its size (10 steps on 6 prompts a set): every cell still runs,
     # with a mid-run checkpoint and eval; its numbers are not what this test checks.
     env = dict(os.environ, MPLBACKEND="Agg", DSPARK_DEMO_STEPS="10", DSPARK_DEMO_PROMPTS="6")
-    # XLA's own optimisation level (conftest.py lowers it for the suite's tiny models): the notebooks
-    # run the real SmolLM2, whose steps at level 0 cost more than their compilation saves (the quick
-    # start took 317 s at level 0, 249 s at XLA's default)
-    env["XLA_FLAGS"] = re.sub(r"--xla_backend_optimization_level=\S+", "", env.get("XLA_FLAGS", "")).strip()
     proc = subprocess.run([sys.executable, str(script)], cwd=workdir, capture_output=True, text=True, env=env)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stderr[-4000:]}"
