@@ -227,6 +227,50 @@ def test_flattened_bucketed_verify_is_lossless_and_matches_padded(policy):
     assert accepting >= 4 and rejecting >= 4, (accepting, rejecting)
 
 
+def test_schedulers_share_the_verify_programs_and_a_run_compiles_the_buckets_it_uses(monkeypatch):
+    """Only the draft program depends on the scheduler: a second scheduler over the same shapes
+    compiles a draft program and nothing else. A verify bucket is compiled when a round first
+    needs it, off `running_clock` (its time counts in compile_s, not in the run's timings)."""
+    from dspark_jax.engine import generate as G
+    from dspark_jax.engine.sps import pad_to_bucket
+
+    def programs(name):
+        return sum(key[0] == name for key in G._COMPILED)
+
+    monkeypatch.setattr(G, "_COMPILED", {})  # none compiled by the tests before this one
+    dcfg, dparams = drafter()
+    buckets = (1, 2, 4, 8, 16)
+    runs, seen = {}, set()
+    for policy in ("threshold", "dspark", "mtp1"):
+        before = {name: programs(name) for name in ("draft_and_schedule", "verify_and_commit", "spec_prefill")}
+        compiling = G.compiling_seconds()
+        runs[policy] = speculative_generate(TARGET, TCFG, dparams, dcfg, PROMPTS, max_new_tokens=17, seed=5,
+                                            cfg=SpecConfig(gamma=4, policy=policy, threshold=0.3, sps=SPS,
+                                                           verify_buckets=buckets))
+        assert runs[policy].compile_s >= G.compiling_seconds() - compiling  # what this run compiled
+        new = {name: programs(name) - n for name, n in before.items()}
+        used = {int(pad_to_bucket(buckets, int(np.sum(np.where(r["active"], r["num_draft"] + 1, 0)))))
+                for r in runs[policy].rounds}
+        assert new["draft_and_schedule"] == 1 and new["spec_prefill"] == (policy == "threshold")
+        assert new["verify_and_commit"] == len(used - seen) and len(used) < len(buckets), (policy, new, used, seen)
+        seen |= used
+    assert runs["threshold"].token_ids == runs["dspark"].token_ids == runs["mtp1"].token_ids
+
+
+def test_the_running_clock_stops_while_a_program_compiles():
+    import time
+
+    from dspark_jax.engine.generate import compiled, running_clock
+
+    def slow_to_trace(x):
+        time.sleep(0.3)  # at trace time, inside `compiled`
+        return x * 3
+
+    wall, clock = time.perf_counter(), running_clock()
+    compiled(jax.jit(slow_to_trace), (jax.ShapeDtypeStruct((7,), jnp.float32),), {})
+    assert (time.perf_counter() - wall) - (running_clock() - clock) >= 0.3
+
+
 def test_flattened_verify_sampling_is_lossless():
     """Sampling through the flattened, token-bucketed verify: 3072 samples, 6 positions, the exact
     check of test_sampling_is_lossless (which fails on the same mutations with this many samples)."""

@@ -31,8 +31,9 @@ from dspark_jax.engine import scheduler as S
 from dspark_jax.engine.acceptance import verify_greedy, verify_sampled
 from dspark_jax.engine.fallback import PlainStepGate
 from dspark_jax.engine.sps import SPSTable, pad_to_bucket
-from dspark_jax.engine.generate import (FlatPrompts, GenerationResult, compiled, continuous_batching,
-                                         flatten_prompts, pad_prompts, padded_as_flat, stop_mask)
+from dspark_jax.engine.generate import (FlatPrompts, GenerationResult, compiled, compiling_seconds,
+                                         continuous_batching, flatten_prompts, pad_prompts, padded_as_flat,
+                                         running_clock, stop_mask)
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.engine.sampling import SamplingConfig, processed_log_probs, sample
@@ -57,6 +58,12 @@ class SpecConfig:
 
     def __post_init__(self):
         validate(self)
+
+    def unscheduled(self) -> "SpecConfig":
+        """These settings less the scheduler's (policy, threshold, SPS table, buckets, plain steps):
+        all that the prefill, verify and plain-step programs read. Those programs are compiled for
+        this, so every scheduler shares them and only the draft program is one per scheduler."""
+        return SpecConfig(gamma=self.gamma, sampling=self.sampling, stop_ids=self.stop_ids)
 
 
 @jax.tree_util.register_dataclass
@@ -326,9 +333,11 @@ def round_program(target_params, dparams, state_shape, temps, *, tcfg: ModelConf
     """Compile one decoding step for states shaped like `state_shape`: a round with the padded
     [B, g+1] verify, or, with cfg.verify_buckets, draft + a flattened verify padded to the smallest
     bucket that holds this round's scheduled tokens (the host reads the count and picks the
-    program). With a `gate`, each step is a round or a plain target step as the gate decides from
+    program, compiling it the first time: a run of 8 slots has 7 buckets and may use 3; the
+    compilation stops `running_clock`, which the callers time on). With a `gate`, each step is a round or a plain target step as the gate decides from
     the steps before it, and what the step cost is reported back to it."""
     statics = dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg)
+    committing = dict(statics, cfg=cfg.unscheduled())  # the verify and plain-step programs' statics
     state_shape = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
                                state_shape)  # shapes: the programs are warmed on scratch states (`compiled`)
     ran = set()  # the programs run so far (see run_step)
@@ -343,19 +352,21 @@ def round_program(target_params, dparams, state_shape, temps, *, tcfg: ModelConf
         if cfg.verify_buckets[-1] < rows * (cfg.gamma + 1):
             raise ValueError(f"verify buckets {cfg.verify_buckets} do not cover {rows} x (gamma + 1) tokens")
         run_draft = compiled(spec_draft, (target_params, dparams, state_shape, temps), statics, warm=True)
-        run_verify = {n: compiled(spec_verify, (target_params, dparams, state_shape, run_draft.out_info),
-                                  dict(statics, bucket=n), warm=True) for n in cfg.verify_buckets}
+        run_verify = {}  # per bucket, compiled when a round first needs it: a run uses few of them
 
         def run_round(target_params, dparams, state, temps):
             drafted = run_draft(target_params, dparams, state, temps)
             # numpy, not jnp: an eager jnp op compiles on its first call, inside the timed path
             scheduled = int(np.sum(np.where(np.asarray(state.done), 0, np.asarray(drafted.num_draft) + 1)))
             bucket = int(pad_to_bucket(cfg.verify_buckets, scheduled))
+            if bucket not in run_verify:  # off `running_clock`, like every compilation
+                run_verify[bucket] = compiled(spec_verify, (target_params, dparams, state_shape, run_draft.out_info),
+                                              dict(committing, bucket=bucket), warm=True)
             ran.add(bucket)
             return run_verify[bucket](target_params, dparams, state, drafted)
     if gate is None:
         return run_round
-    run_plain = compiled(spec_plain, (target_params, dparams, state_shape, np.int32(1)), statics, warm=True)
+    run_plain = compiled(spec_plain, (target_params, dparams, state_shape, np.int32(1)), committing, warm=True)
     head = dcfg.kind == "dspark" and dcfg.confidence
 
     def run_step(target_params, dparams, state, temps):
@@ -406,32 +417,34 @@ def speculative_generate(
     args = (target_params, dparams, jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32),
             jnp.full((len(prompts),), max_new_tokens, jnp.int32), jax.random.key(seed), flatten_prompts(prompts))
     t0 = time.perf_counter()
-    run_prefill = compiled(spec_prefill, args, dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg, max_len=max_len), warm=True)
+    run_prefill = compiled(spec_prefill, args, dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg.unscheduled(), max_len=max_len),
+                           warm=True)
     gate = gate or (PlainStepGate.from_table(cfg.sps, len(prompts), cfg.gamma) if cfg.plain_steps else None)
     run_round = round_program(target_params, dparams, run_prefill.out_info, temps, tcfg=tcfg, dcfg=dcfg, cfg=cfg,
                               gate=gate)
     compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    compiling = compiling_seconds()  # what the rounds compile (verify buckets) moves to compile_s
+    t0 = running_clock()
     state = run_prefill(*args)
     jax.block_until_ready(state)
-    t1 = time.perf_counter()
+    t1 = running_clock()
     rounds = []
     bar = tqdm(total=max_new_tokens * len(prompts), disable=not progress, unit="tok", desc="speculative", leave=False)
     generated = int(np.sum(np.asarray(state.num_generated)))
     bar.update(generated)
     while not np.asarray(state.done).all():
-        start = time.perf_counter()
+        start = running_clock()
         state, stats = run_round(target_params, dparams, state, temps)
         rounds.append(host_stats(stats))
-        rounds[-1]["seconds"] = time.perf_counter() - start  # reading the stats waited for the round
+        rounds[-1]["seconds"] = running_clock() - start  # reading the stats waited for the round
         now = int(np.sum(np.asarray(state.num_generated)))
         bar.update(now - generated)
         generated = now
     bar.close()
     output, counts = np.asarray(state.output), np.asarray(state.num_generated)
-    t2 = time.perf_counter()
+    t2 = running_clock()
     return SpecResult([output[i, : counts[i]].tolist() for i in range(len(prompts))], t1 - t0, t2 - t1,
-                      compile_s, rounds)
+                      compile_s + compiling_seconds() - compiling, rounds)
 
 
 def profile_verify(target_params, tcfg: ModelConfig, dcfg: DrafterConfig, *, rows: int, gamma: int, max_len: int,
@@ -549,7 +562,7 @@ def speculative_serve(
     offline run need not keep every round).
 
     Every program (the prefill of each prompt-length bucket, the round, the admission) is compiled
-    before the clock starts. on_finish(index, token_ids, stats) is called as each request completes,
+    before the clock starts, but a verify bucket's, compiled off the clock when first needed. on_finish(index, token_ids, stats) is called as each request completes,
     stats holding its `RequestStats` totals and "wall_s" (its prefill to its last round);
     on_progress(tokens, seconds) after every round with the tokens generated so far. The result's
     `request_stats` holds the same dicts in input order. With cfg.plain_steps (or a `gate`),
@@ -558,6 +571,7 @@ def speculative_serve(
     _, _, max_len = pad_prompts(tcfg, prompts, max_new_tokens, slack=cfg.gamma + 1)
     temps = None if temperatures is None else jnp.asarray(temperatures, jnp.float32)
     statics = dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg)
+    prefill_statics = dict(statics, cfg=cfg.unscheduled(), max_len=max_len)
 
     def prefill_args(batch, budgets, key):
         tokens, lengths, _ = pad_prompts(tcfg, batch, max_new_tokens)
@@ -570,7 +584,7 @@ def speculative_serve(
     first_args = prefill_args(first + [prompts[0]] * (slots - len(first)),
                               [max_new_tokens] * len(first) + [1] * (slots - len(first)), jax.random.key(seed))
     t0 = time.perf_counter()
-    run_first = compiled(spec_prefill, first_args, dict(statics, max_len=max_len), warm=True)
+    run_first = compiled(spec_prefill, first_args, prefill_statics, warm=True)
     gate = gate or (PlainStepGate.from_table(cfg.sps, slots, cfg.gamma) if cfg.plain_steps else None)
     run_round = round_program(target_params, dparams, run_first.out_info, temps, **statics, gate=gate)
     run_refill, run_admit = {}, {}  # per prompt width bucket
@@ -578,11 +592,12 @@ def speculative_serve(
         args = prefill_args([p], [max_new_tokens], jax.random.key(0))
         width = args[2].shape[1]
         if width not in run_refill:
-            run_refill[width] = compiled(spec_prefill, args, dict(statics, max_len=max_len), warm=True)
+            run_refill[width] = compiled(spec_prefill, args, prefill_statics, warm=True)
             run_admit[width] = compiled(admit, (run_first.out_info, run_refill[width].out_info, np.int32(0)), {},
                                         warm=True)
     jax.random.key(seed)  # the refills' key op, compiled here rather than at the first refill
     compile_s = time.perf_counter() - t0
+    compiling = compiling_seconds()
 
     totals = RequestStats(slots, cfg.gamma)
     rounds = []
@@ -593,15 +608,16 @@ def speculative_serve(
         return run_admit[args[2].shape[1]](state, new, np.int32(row))
 
     def step(state, owner):
-        t = time.perf_counter()
+        t = running_clock()
         state, stats = run_round(target_params, dparams, state, temps)
         stats = host_stats(stats)
         totals.add(stats)
         if keep_rounds:
-            rounds.append({"request": np.asarray(owner), **stats, "seconds": time.perf_counter() - t})
+            rounds.append({"request": np.asarray(owner), **stats, "seconds": running_clock() - t})
         return state
 
     results, request_stats, prefill_s, decode_s = continuous_batching(
         lambda: run_first(*first_args), refill, step, requests=len(prompts), owner=owner, take=totals.take,
         on_finish=on_finish, on_progress=on_progress)
-    return SpecResult(results, prefill_s, decode_s, compile_s, rounds, request_stats)
+    return SpecResult(results, prefill_s, decode_s, compile_s + compiling_seconds() - compiling, rounds,
+                      request_stats)
