@@ -24,30 +24,55 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += f" --xla_backend_optimization_level={os.environ.get('DSPARK_TEST_XLA_OPT', '0')}"
 ALLOW_FEWER_DEVICES = "DSPARK_ALLOW_FEWER_DEVICES"
 
-# One persistent XLA cache for the whole run, this process and every CLI subprocess it starts (they
-# inherit the environment): the same programs (the real SmolLM2's prefill and decode steps, a tiny
-# model's verify pass) otherwise compile again in every module (each one's compiled programs are
-# freed at its end, below) and in every subprocess. A fresh folder per run, deleted at its end, so
-# no run reads another's programs; DSPARK_TEST_XLA_CACHE=0 compiles everything afresh. Each pytest-xdist
-# worker gets its own folder: JAX writes cache entries in place (not atomically), and two workers
-# compiling the same program at once could read each other's half-written file.
-_XLA_CACHE = None
-_OWN_CACHE = "PYTEST_XDIST_WORKER" in os.environ or "JAX_COMPILATION_CACHE_DIR" not in os.environ
-if os.environ.get("DSPARK_TEST_XLA_CACHE", "1") != "0" and _OWN_CACHE:
-    _XLA_CACHE = tempfile.mkdtemp(prefix="dspark-test-xla-")
-    os.environ.update(JAX_COMPILATION_CACHE_DIR=_XLA_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    if "jax" in sys.modules:  # imported before this file (by a plugin): its config has read the environment already
-        import jax
+# A persistent XLA compilation cache for the run, this process and every CLI subprocess it starts
+# (they inherit the environment): the same programs otherwise compile again in every module and
+# subprocess. By default it outlives the run, in ~/.cache/dspark_jax/test-xla/<key>, the key naming
+# this CPU (model and instruction-set flags: XLA:CPU code compiled for one processor can crash on
+# another), the jax and jaxlib versions and the XLA flags; JAX's own key for an entry is the program
+# and its compile options, so a changed program never reads an old entry. A bounded size makes JAX
+# lock the folder around every read and write (its LRU eviction), so the two workers and their
+# subprocesses share one folder safely. DSPARK_TEST_XLA_CACHE: `0` compiles everything afresh,
+# `run` uses a fresh folder deleted at the run's end (a cold run), a path puts the keyed folders there.
+_XLA_CACHE_RUN = None
 
-        jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+def _xla_cache_folder(root: str) -> str:
+    import hashlib
+    import importlib.metadata
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = [line for line in f.read().split("\n\n")[0].splitlines()
+                   if line.split(":")[0].strip() in ("vendor_id", "model name", "flags")]
+    except OSError:
+        cpu = [platform.processor(), platform.machine()]
+    key = repr((cpu, importlib.metadata.version("jax"), importlib.metadata.version("jaxlib"), os.environ["XLA_FLAGS"]))
+    return os.path.join(root, hashlib.sha256(key.encode()).hexdigest()[:16])
+
+
+_CACHE_SETTING = os.environ.get("DSPARK_TEST_XLA_CACHE", "")
+if _CACHE_SETTING != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    if _CACHE_SETTING == "run":
+        _XLA_CACHE_RUN = _folder = tempfile.mkdtemp(prefix="dspark-test-xla-")
+    else:
+        _folder = _xla_cache_folder(_CACHE_SETTING or os.path.join(os.path.expanduser("~"), ".cache", "dspark_jax",
+                                                                   "test-xla"))
+    # Set for the whole run (the xdist workers and the subprocesses inherit it from here).
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=_folder, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", JAX_COMPILATION_CACHE_MAX_SIZE=str(4 << 30))
+if "jax" in sys.modules and "JAX_COMPILATION_CACHE_DIR" in os.environ:
+    import jax  # imported before this file (by a plugin): its config has read the environment already
+
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_compilation_cache_max_size", int(os.environ.get("JAX_COMPILATION_CACHE_MAX_SIZE", -1)))
 
 
 def pytest_unconfigure(config):
-    if _XLA_CACHE is not None:
-        shutil.rmtree(_XLA_CACHE, ignore_errors=True)
+    if _XLA_CACHE_RUN is not None and "PYTEST_XDIST_WORKER" not in os.environ:
+        shutil.rmtree(_XLA_CACHE_RUN, ignore_errors=True)
 
 
 def pytest_configure(config):
@@ -89,23 +114,42 @@ def pytest_runtest_setup(item):
 
 @pytest.fixture(scope="session")
 def transformers_gguf_tokenizer(tmp_path_factory):
-    """path -> transformers' tokenizer converted from that GGUF file, once per run: the conversion
-    takes ~1 minute for Gemma 3's 262k-token vocabulary, and three test files compare with it. The
-    first worker to need it converts it and saves it (`save_pretrained`: the whole fast tokenizer)
-    in a folder of the run shared by the pytest-xdist workers, under a lock; the others read that."""
+    """path -> transformers' tokenizer converted from that GGUF file: the conversion takes ~1 minute
+    for Gemma 3's 262k-token vocabulary, and three test files compare with it. The first worker to
+    need it converts it and saves it (`save_pretrained`: the whole fast tokenizer) under a lock; the
+    others read that. Saved, like the XLA cache above, in ~/.cache/dspark_jax/test-tokenizers, keyed
+    on the file (its size and a hash of its first and last MiB) and the transformers and tokenizers
+    versions; DSPARK_TEST_XLA_CACHE=0 or `run`: in a folder of this run."""
     import functools
     import hashlib
+    import importlib.metadata
+    import pathlib
 
     import filelock
     import transformers
 
-    root = tmp_path_factory.getbasetemp()
-    if "PYTEST_XDIST_WORKER" in os.environ:  # the workers' base folders share the run's folder
-        root = root.parent
+    if _CACHE_SETTING in ("0", "run"):
+        root = tmp_path_factory.getbasetemp()
+        if "PYTEST_XDIST_WORKER" in os.environ:  # the workers' base folders share the run's folder
+            root = root.parent
+    else:
+        root = pathlib.Path(_CACHE_SETTING or os.path.join(os.path.expanduser("~"), ".cache", "dspark_jax"),
+                            "test-tokenizers")
+        root.mkdir(parents=True, exist_ok=True)
+
+    def file_key(path: str) -> str:
+        size, digest = os.path.getsize(path), hashlib.sha256()
+        with open(path, "rb") as f:
+            digest.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            digest.update(f.read())
+        versions = importlib.metadata.version("transformers"), importlib.metadata.version("tokenizers")
+        digest.update(repr((size, versions)).encode())
+        return digest.hexdigest()[:16]
 
     @functools.cache
     def load(path: str):
-        folder = root / f"transformers-tokenizer-{hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]}"
+        folder = root / f"transformers-tokenizer-{file_key(path)}"
         with filelock.FileLock(f"{folder}.lock"):
             if not (folder / "complete").exists():
                 tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),

