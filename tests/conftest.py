@@ -29,14 +29,18 @@ ALLOW_FEWER_DEVICES = "DSPARK_ALLOW_FEWER_DEVICES"
 # subprocess. By default it outlives the run, in ~/.cache/dspark_jax/test-xla/<key>, the key naming
 # this CPU (model and instruction-set flags: XLA:CPU code compiled for one processor can crash on
 # another), the jax and jaxlib versions and the XLA flags; JAX's own key for an entry is the program
-# and its compile options, so a changed program never reads an old entry. A bounded size makes JAX
-# lock the folder around every read and write (its LRU eviction), so the two workers and their
-# subprocesses share one folder safely. DSPARK_TEST_XLA_CACHE: `0` compiles everything afresh,
-# `run` uses a fresh folder deleted at the run's end (a cold run), a path puts the keyed folders there.
-_XLA_CACHE_RUN = None
+# and its compile options, so a changed program never reads an old entry. One folder per pytest-xdist
+# worker: JAX writes an entry in place, so two workers compiling one program at once could read each
+# other's half-written file (its size-bounded mode locks the folder, but then scans every entry on
+# each write: a run with it took longer than one without a cache). A folder past 3 GB is emptied
+# when a run starts. DSPARK_TEST_XLA_CACHE: `0` compiles everything afresh, `run` uses fresh folders
+# deleted at the run's end (a cold run), a path puts the keyed folders there.
+_CACHE_SETTING = os.environ.get("DSPARK_TEST_XLA_CACHE", "")
+_CACHE_BASE = "DSPARK_TEST_XLA_CACHE_BASE"  # the run's keyed folder, set by the first process, read by the workers
+_CACHE_LIMIT = 3 << 30
 
 
-def _xla_cache_folder(root: str) -> str:
+def _xla_cache_base(root: str) -> str:
     import hashlib
     import importlib.metadata
     import platform
@@ -48,31 +52,32 @@ def _xla_cache_folder(root: str) -> str:
     except OSError:
         cpu = [platform.processor(), platform.machine()]
     key = repr((cpu, importlib.metadata.version("jax"), importlib.metadata.version("jaxlib"), os.environ["XLA_FLAGS"]))
-    return os.path.join(root, hashlib.sha256(key.encode()).hexdigest()[:16])
+    base = os.path.join(root, hashlib.sha256(key.encode()).hexdigest()[:16])
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(base) for f in files)
+    if size > _CACHE_LIMIT:
+        shutil.rmtree(base, ignore_errors=True)
+    return base
 
 
-_CACHE_SETTING = os.environ.get("DSPARK_TEST_XLA_CACHE", "")
-if _CACHE_SETTING != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    if _CACHE_SETTING == "run":
-        _XLA_CACHE_RUN = _folder = tempfile.mkdtemp(prefix="dspark-test-xla-")
-    else:
-        _folder = _xla_cache_folder(_CACHE_SETTING or os.path.join(os.path.expanduser("~"), ".cache", "dspark_jax",
-                                                                   "test-xla"))
-    # Set for the whole run (the xdist workers and the subprocesses inherit it from here).
-    os.environ.update(JAX_COMPILATION_CACHE_DIR=_folder, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", JAX_COMPILATION_CACHE_MAX_SIZE=str(4 << 30))
-if "jax" in sys.modules and "JAX_COMPILATION_CACHE_DIR" in os.environ:
-    import jax  # imported before this file (by a plugin): its config has read the environment already
+if _CACHE_SETTING != "0" and (_CACHE_BASE in os.environ or "JAX_COMPILATION_CACHE_DIR" not in os.environ):
+    if _CACHE_BASE not in os.environ:  # the first process of the run (pytest's, or xdist's controller)
+        os.environ[_CACHE_BASE] = (tempfile.mkdtemp(prefix="dspark-test-xla-") if _CACHE_SETTING == "run" else
+                                   _xla_cache_base(_CACHE_SETTING or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                                  "dspark_jax", "test-xla")))
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=os.path.join(os.environ[_CACHE_BASE],
+                                                             os.environ.get("PYTEST_XDIST_WORKER", "main")),
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    if "jax" in sys.modules:  # imported before this file (by a plugin): its config has read the environment already
+        import jax
 
-    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    jax.config.update("jax_compilation_cache_max_size", int(os.environ.get("JAX_COMPILATION_CACHE_MAX_SIZE", -1)))
+        jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def pytest_unconfigure(config):
-    if _XLA_CACHE_RUN is not None and "PYTEST_XDIST_WORKER" not in os.environ:
-        shutil.rmtree(_XLA_CACHE_RUN, ignore_errors=True)
+    if _CACHE_SETTING == "run" and "PYTEST_XDIST_WORKER" not in os.environ and _CACHE_BASE in os.environ:
+        shutil.rmtree(os.environ[_CACHE_BASE], ignore_errors=True)
 
 
 def pytest_configure(config):
