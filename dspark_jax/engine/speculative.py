@@ -334,8 +334,9 @@ def round_program(target_params, dparams, state_shape, temps, *, tcfg: ModelConf
     [B, g+1] verify, or, with cfg.verify_buckets, draft + a flattened verify padded to the smallest
     bucket that holds this round's scheduled tokens (the host reads the count and picks the
     program, compiling it the first time: a run of 8 slots has 7 buckets and may use 3; the
-    compilation stops `running_clock`, which the callers time on). With a `gate`, each step is a round or a plain target step as the gate decides from
-    the steps before it, and what the step cost is reported back to it."""
+    compilation stops `running_clock`, which the callers time on). With a `gate`, each step is a
+    round or a plain target step as the gate decides from the steps before it, and what the step
+    cost is reported back to it."""
     statics = dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg)
     committing = dict(statics, cfg=cfg.unscheduled())  # the verify and plain-step programs' statics
     state_shape = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
