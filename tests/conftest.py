@@ -34,8 +34,10 @@ ALLOW_FEWER_DEVICES = "DSPARK_ALLOW_FEWER_DEVICES"
 # other's half-written file (its size-bounded mode locks the folder, but then scans every entry on
 # each write: a run with it took longer than one without a cache). A folder past 3 GB is emptied
 # when a run starts. DSPARK_TEST_XLA_CACHE: `0` compiles everything afresh, `run` uses fresh folders
-# deleted at the run's end (a cold run), a path puts the keyed folders there.
+# deleted at the run's end (a cold run), a path replaces ~/.cache/dspark_jax.
 _CACHE_SETTING = os.environ.get("DSPARK_TEST_XLA_CACHE", "")
+# where the caches kept across runs live (test-xla/, test-tokenizers/ below)
+_CACHE_ROOT = _CACHE_SETTING or os.path.join(os.path.expanduser("~"), ".cache", "dspark_jax")
 _CACHE_BASE = "DSPARK_TEST_XLA_CACHE_BASE"  # the run's keyed folder, set by the first process, read by the workers
 _CACHE_LIMIT = 3 << 30
 
@@ -62,8 +64,7 @@ def _xla_cache_base(root: str) -> str:
 if _CACHE_SETTING != "0" and (_CACHE_BASE in os.environ or "JAX_COMPILATION_CACHE_DIR" not in os.environ):
     if _CACHE_BASE not in os.environ:  # the first process of the run (pytest's, or xdist's controller)
         os.environ[_CACHE_BASE] = (tempfile.mkdtemp(prefix="dspark-test-xla-") if _CACHE_SETTING == "run" else
-                                   _xla_cache_base(_CACHE_SETTING or os.path.join(os.path.expanduser("~"), ".cache",
-                                                                                  "dspark_jax", "test-xla")))
+                                   _xla_cache_base(os.path.join(_CACHE_ROOT, "test-xla")))
     os.environ.update(JAX_COMPILATION_CACHE_DIR=os.path.join(os.environ[_CACHE_BASE],
                                                              os.environ.get("PYTEST_XDIST_WORKER", "main")),
                       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
@@ -138,8 +139,7 @@ def transformers_gguf_tokenizer(tmp_path_factory):
         if "PYTEST_XDIST_WORKER" in os.environ:  # the workers' base folders share the run's folder
             root = root.parent
     else:
-        root = pathlib.Path(_CACHE_SETTING or os.path.join(os.path.expanduser("~"), ".cache", "dspark_jax"),
-                            "test-tokenizers")
+        root = pathlib.Path(_CACHE_ROOT, "test-tokenizers")
         root.mkdir(parents=True, exist_ok=True)
 
     def file_key(path: str) -> str:
