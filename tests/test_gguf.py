@@ -8,13 +8,13 @@ against the original transformers model, independently of the real file.
 
 import copy
 import importlib.metadata
-import os
 
 import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import without_tokenizer_arrays
 from gguf import GGMLQuantizationType as Q
 
 from dspark_jax.checkpoints.gguf import load_gguf_model, open_gguf
@@ -38,14 +38,17 @@ def forward_logits(params, cfg, tokens: np.ndarray) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    """(our config, params, tokenizer, transformers model) for the shipped SmolLM2 GGUF."""
+def smollm2(tmp_path_factory):
+    """(our config, params, tokenizer, transformers model) for the shipped SmolLM2 GGUF; transformers
+    loads its tensors from a copy without the tokenizer's arrays (`without_tokenizer_arrays`: the file
+    states llama.vocab_size itself)."""
     import transformers
 
     path = smollm2_gguf_path()
     ours = load_gguf_model(path)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path)).eval()
+    folder = tmp_path_factory.mktemp("smollm2-gguf")
+    without_tokenizer_arrays(path, str(folder / "model.gguf"))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(folder), gguf_file="model.gguf").eval()
     return (*ours, ref)
 
 
