@@ -47,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--target-config", help="the target's config.json, when the target is not on this machine")
     plan.add_argument("--mfu", type=flag(float, gt=0, le=1), default=None,
                       help="assumed model FLOP utilisation for the step time (default 0.4)")
+    plan.add_argument("--compile", action="store_true",
+                      help="with --accelerator-type: also compile the train and eval steps with the TPU compiler for "
+                           "that slice, from shapes alone, and print its memory per chip (needs libtpu: pip install "
+                           "'jax[tpu]'; nothing runs on a TPU)")
     plan.add_argument("--json", action="store_true", help="the plan as JSON")
     runtime.add_distributed_flags(p)
     args = p.parse_args(argv)
@@ -55,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.export_latest and (args.resume or args.overwrite or args.plan):
         p.error("--export-latest trains nothing: it takes no --resume, --overwrite or --plan")
     plan_only = [f for f in ("devices", "accelerator_type", "accelerator", "target_config", "mfu") if
-                 getattr(args, f) is not None] + (["json"] if args.json else [])
+                 getattr(args, f) is not None] + (["json"] if args.json else []) + (["compile"] if args.compile else [])
     if plan_only and not args.plan:
         p.error(f"--{plan_only[0].replace('_', '-')} only applies with --plan")
 
@@ -67,9 +71,16 @@ def main(argv: list[str] | None = None) -> int:
 
         from dspark_jax.training import plan as training_plan
 
+        if args.compile and "JAX_PLATFORMS" not in os.environ:
+            import jax
+
+            # this process's own devices stay the CPU: with libtpu installed, JAX would otherwise try
+            # (and on a machine without a TPU fail, noisily) to start a TPU backend
+            jax.config.update("jax_platforms", "cpu")
+
         found = training_plan.plan_for(cfg, devices=args.devices, accelerator_type=args.accelerator_type,
                                        accelerator=args.accelerator, target_config=args.target_config,
-                                       mfu=args.mfu or training_plan.DEFAULT_MFU)
+                                       mfu=args.mfu or training_plan.DEFAULT_MFU, compile=args.compile)
         print(json.dumps(found, indent=1) if args.json else training_plan.format_plan(found))
         return 0
     runtime.initialize(args)  # before anything touches devices

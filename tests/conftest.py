@@ -14,6 +14,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # freed memory, core.host_memory): one test process runs programs of hundreds of shapes, and a heap
 # that never shrinks would hold the largest of them all run long; test_host_memory sets it per probe.
 os.environ.setdefault("DSPARK_MALLOC", "system")
+# The suite runs on the CPU; the test extra installs libtpu (the TPU compile tests), with which JAX
+# would otherwise try to start a TPU backend in every process and print libtpu's warnings.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Several fake CPU devices for the sharding tests; must be set before JAX initialises.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 # XLA:CPU's code generation without LLVM's optimisations: most of the suite's time is compiling

@@ -2,6 +2,8 @@
 the real initialised drafter and the trainer's own shardings, hand-computed FLOPs, and plausible
 Qwen3-8B numbers on v5p-8 / v6e-8 (relationships, not magic numbers)."""
 
+import dataclasses
+import importlib.util
 import json
 import os
 import shlex
@@ -13,13 +15,14 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dspark_jax import train
+from dspark_jax.core.errors import UserError
 from dspark_jax.distributed import sharding
 from dspark_jax.drafters import dspark, eagle3
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.training import plan as planmod
 from dspark_jax.training.config import DataConfig, OptimConfig, RunConfig, TrainConfig, load_config
-from dspark_jax.training.trainer import drafter_logical_axes, make_optimizer
+from dspark_jax.training.trainer import drafter_logical_axes, make_optimizer, make_train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN3_8B = os.path.join(ROOT, "configs", "dspark_qwen3-8b.yaml")
@@ -176,18 +179,28 @@ def test_mesh_resolution_follows_make_mesh():
     assert p["devices_used"] == 2 and p["num_devices"] == 8
 
 
-def test_tpu_chips():
-    assert planmod.tpu_chips("v5p-8") == (4, "tpu-v5p")  # v5p names count TensorCores, two per chip
-    assert planmod.tpu_chips("v6e-8") == (8, "tpu-v6e")  # v6e names count chips
-    assert planmod.tpu_chips("v5litepod-16") == (16, None)
-    assert planmod.tpu_chips("v4-32") == (16, None)
-    with pytest.raises(Exception, match="unknown TPU accelerator type"):
-        planmod.tpu_chips("v9x-8")
+def test_tpu_slices():
+    from dspark_jax.serving.tpu_compile import tpu_slice
+
+    chips = lambda t: (tpu_slice(t).chips, tpu_slice(t).key, tpu_slice(t).topology)  # noqa: E731
+    assert chips("v5p-8") == (4, "tpu-v5p", "v5p:2x2x1")  # v5p names count TensorCores, two per chip
+    assert chips("v5p-32") == (16, "tpu-v5p", "v5p:2x2x4")
+    assert chips("v5p-128") == (64, "tpu-v5p", "v5p:4x4x4") and chips("v5p-512")[2] == "v5p:4x8x8"
+    assert chips("v6e-8") == (8, "tpu-v6e", "v6e:2x4")  # v6e names count chips
+    assert chips("v5litepod-16") == (16, "tpu-v5e", "v5e:4x4")
+    assert chips("v5litepod-256") == (256, "tpu-v5e", "v5e:16x16")
+    assert chips("v4-32") == (16, "tpu-v4", "v4:2x2x4")
+    for bad, message in (("v9x-8", "unknown TPU accelerator type"), ("v5p-7", "multiples of 2"),
+                         ("v5litepod-12", "not 12"), ("v5p-12", "not 6")):
+        with pytest.raises(UserError, match=message):
+            tpu_slice(bad)
 
 
 def qwen3_plan(accelerator_type: str, *overrides: str, **kw) -> dict:
-    chips, chip = planmod.tpu_chips(accelerator_type)
-    return planmod.training_plan(load_config(QWEN3_8B, list(overrides)), chips, accelerator=chip, **kw)
+    from dspark_jax.serving.tpu_compile import tpu_slice
+
+    tpu = tpu_slice(accelerator_type)
+    return planmod.training_plan(load_config(QWEN3_8B, list(overrides)), tpu.chips, accelerator=tpu.key, **kw)
 
 
 V5P = ("data.rows=4", "optim.grad_accum=128")  # launch/README.md's v5p-8 settings
@@ -289,40 +302,18 @@ SMALL = ModelConfig(family="qwen3", vocab_size=4096, hidden_size=256, num_layers
 
 
 def compiled_step(cfg: TrainConfig, target: ModelConfig, layout: str, sharded: bool = False):
-    """The trainer's jitted step for cfg, compiled from shapes alone (nothing allocated); `sharded`:
-    with the in/out shardings Trainer.__init__ gives it, on cfg.run.mesh over this process's devices."""
-    import jax.numpy as jnp
+    """The trainer's jitted step for cfg (`TrainPrograms`, what Trainer.__init__ runs), compiled from
+    shapes alone (nothing allocated); `sharded`: with its in/out shardings on cfg.run.mesh over this
+    process's devices, else jitted plainly on one device."""
+    from dspark_jax.training.trainer import TrainPrograms
 
-    from dspark_jax.training.trainer import TrainState, make_train_step
-
-    dcfg = cfg.drafter_config(target, "t")
-    optimizer = make_optimizer(cfg)
-    init = eagle3.init_eagle3_params if dcfg.kind == "eagle3" else dspark.init_drafter_params
-    params = jax.eval_shape(lambda k: init(dcfg, k), jax.random.key(0))
-    state = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(optimizer.init, params))
-    target_params = jax.eval_shape(lambda k: decoder.with_layout(decoder.init_params(target, k), target, layout),
-                                   jax.random.key(0))
-    B, S, NB = cfg.data.rows * cfg.optim.grad_accum, cfg.data.seq_len, cfg.data.blocks_per_row
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    batch = dict(tokens=i32(B, S), positions=i32(B, S), segment_ids=i32(B, S), loss_mask=i32(B, S),
-                 block_start=i32(B, NB), block_valid=jax.ShapeDtypeStruct((B, NB), jnp.bool_))
-    if cfg.data.feature_cache:
-        m, d = len(dcfg.target_layer_ids), target.hidden_size
-        batch.update(ctx_features=jax.ShapeDtypeStruct((B, S, m * d), jnp.bfloat16),
-                     target_last_hidden=jax.ShapeDtypeStruct((B, S, d), jnp.bfloat16))
-    step = make_train_step(cfg, dcfg, target, optimizer)
+    programs = TrainPrograms(cfg, cfg.drafter_config(target, "t"), target, sharding.make_mesh(*cfg.run.mesh), layout)
+    state, target_params, batch = programs.abstract_inputs()
     if not sharded:
-        return jax.jit(step).lower(state, target_params, batch).compile()
-    mesh = sharding.make_mesh(*cfg.run.mesh)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    p_sh = sharding.tree_shardings(mesh, drafter_logical_axes(params), jax.tree.map(lambda a: a.shape, params))
-    opt_sh = optax.tree_utils.tree_map_params(optimizer, lambda _, s: s, state.opt_state, p_sh,
-                                              transform_non_params=lambda _: replicated)
-    state_sh = TrainState(replicated, p_sh, opt_sh)
-    batch_sh = NamedSharding(mesh, sharding.logical_spec(mesh, ("batch",), (B,)))
-    jitted = jax.jit(step, in_shardings=(state_sh, sharding.param_shardings(mesh, target, layout), batch_sh),
-                     out_shardings=(state_sh, replicated), donate_argnums=(0,))
-    return jitted.lower(state, target_params, batch).compile()
+        plain = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)  # noqa: E731
+        step = make_train_step(cfg, programs.dcfg, target, programs.optimizer)
+        return jax.jit(step).lower(plain(state), plain(target_params), plain(batch)).compile()
+    return programs.train_step.lower(state, target_params, batch).compile()
 
 
 EAGLE3 = dict(kind="eagle3", num_layers=1, head="none", markov_rank=0, confidence=False, ttt_steps=3)
@@ -371,3 +362,86 @@ def test_qwen3_8b_v5p_setting_against_xla():
     assert analysis.argument_size_in_bytes == persistent + 3 * 4  # + the int32 step counters (state, AdamW, schedule)
     estimate = mem["activations"] + mem["gradients"] + mem["drafter_params_compute"] + mem["target_params_compute"]
     assert 0.75 * analysis.temp_size_in_bytes < estimate < 1.3 * analysis.temp_size_in_bytes
+
+
+# ---- the TPU compiler's verdict (serving/tpu_compile.py, training/compile_check.py)
+
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason=f"libtpu is not installed: pip install 'jax[tpu]=={jax.__version__}' (the README's test command does)")
+
+
+@needs_libtpu
+@pytest.mark.parametrize("accelerator_type,mesh", [("v5p-8", (-1, 1, 2)), ("v5litepod-16", (-1, 1, 1))],
+                         ids=["one-host", "four-hosts"])
+def test_train_step_compiles_for_a_tpu_slice(accelerator_type, mesh, tmp_path, capsys):
+    """`train --plan --accelerator-type ... --compile` on a tiny config: the TPU compiler's per-chip
+    memory of the train and eval steps, their collectives (the data axis all-reduces the gradients),
+    and the plan's error against it; v5litepod-16's 16 chips belong to 4 processes (hosts)."""
+    from dspark_jax.serving.tpu_compile import slice_devices, tpu_slice
+
+    tpu = tpu_slice(accelerator_type)
+    devices = slice_devices(tpu)
+    assert len(devices) == tpu.chips and all(d.platform == "tpu" for d in devices)
+    assert len({d.process_index for d in devices}) == (1 if accelerator_type == "v5p-8" else 4)
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="qwen3", vocab_size=TARGET.vocab_size, hidden_size=TARGET.hidden_size,
+        num_hidden_layers=TARGET.num_layers, num_attention_heads=TARGET.num_heads,
+        num_key_value_heads=TARGET.num_kv_heads, head_dim=TARGET.head_dim, intermediate_size=TARGET.intermediate_size,
+        max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False)))
+    config = tmp_path / "tiny.yaml"
+    config.write_text(json.dumps(dict(
+        target="tiny", drafter=DRAFTER, data=dict(train_dir="data/x", rows=16, seq_len=64, blocks_per_row=4,
+                                                  anchors_per_seq=2),
+        run=dict(mesh=list(mesh), compute_dtype="bfloat16"))))
+    assert train.main(["--config", str(config), "--plan", "--accelerator-type", accelerator_type,
+                       "--target-config", str(tmp_path / "config.json"), "--compile", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    compiled = found["compiled"]
+    assert compiled["topology"] == tpu.topology
+    step, loss = compiled["programs"]
+    assert (step["name"], loss["name"]) == ("train_step", "eval_step")
+    for program in (step, loss):
+        assert program["fits"] and 0 < program["per_chip_bytes"] < 1e9 and program["argument_bytes"] > 0
+        assert program["flops"] > 0
+    assert step["collectives"].get("all-reduce", 0) >= 1  # the gradients' mean over the data axis
+    assert step["per_chip_bytes"] > loss["per_chip_bytes"]  # AdamW's moments and the gradients
+    assert compiled["plan_error"] == pytest.approx(found["memory_per_device"]["total"] / step["per_chip_bytes"] - 1)
+    text = planmod.format_plan(found)  # what the command prints without --json
+    assert f"compiled by the TPU compiler for {accelerator_type} ({tpu.topology}" in text
+    assert "the plan's total against the compiled train step: " in text
+
+
+@needs_libtpu
+def test_a_program_traced_for_tpu_takes_no_cpu_path():
+    """A bf16 decode pass traced in this CPU process for TPU devices is the TPU's program: none of
+    the CPU's choices (the per-layer layout, fp32 activations, bf16 weights moved as uint16 bits,
+    our matmul kernel). Traced without `tracing_for`, the same lowering moves the weights as bits:
+    the check sees a CPU path where there is one."""
+    import jax.numpy as jnp
+
+    from dspark_jax.core.platform import tracing_for
+    from dspark_jax.serving.tpu_compile import slice_devices, tpu_slice
+
+    cfg = dataclasses.replace(SMALL, num_layers=2, dtype="bfloat16")
+    mesh = sharding.make_mesh(1, 1, -1, devices=slice_devices(tpu_slice("v5p-8")))
+
+    def lowered(layout: str) -> str:
+        params = jax.eval_shape(lambda k: decoder.with_layout(decoder.init_params(cfg, k), cfg, layout), jax.random.key(0))
+        params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params,
+                              sharding.param_shardings(mesh, cfg, layout))
+        tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
+
+        def decode_step(p, tokens):
+            cache = decoder.init_cache(cfg, 1, 64)
+            hidden, _, _ = decoder.forward(p, cfg, tokens, cache, jnp.ones((1,), jnp.int32))
+            return decoder.logits(p, cfg, hidden)
+
+        return jax.jit(decode_step).lower(params, tokens).as_text()
+
+    with tracing_for("tpu"):
+        assert decoder.default_layout() == "stacked" and decoder.activation_dtype("bfloat16") == "bfloat16"
+        tpu_text = lowered(decoder.default_layout())
+    assert "ui16" not in tpu_text and "dspark_matmul" not in tpu_text
+    cpu_text = lowered("stacked")  # this process's choices: the CPU's
+    assert "ui16" in cpu_text

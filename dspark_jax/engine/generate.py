@@ -18,6 +18,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dspark_jax.core.errors import UserError
+from dspark_jax.core.platform import traced_for_cpu
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.engine.sampling import SamplingConfig, sample
@@ -453,7 +454,7 @@ def compiled(fn, args: tuple, statics: dict, warm: bool = False):
     if key not in _COMPILED:
         start = time.perf_counter()
         program = fn.lower(*args, **statics).compile()
-        if warm and jax.default_backend() == "cpu" and jax.process_count() == 1:
+        if warm and traced_for_cpu() and jax.process_count() == 1:
             jax.block_until_ready(program(*jax.tree.map(_zeros_like_shape, args)))
         _COMPILED[key] = program
         _COMPILING_S[0] += time.perf_counter() - start

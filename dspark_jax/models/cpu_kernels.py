@@ -40,6 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.core.platform import traced_for_cpu
+
 log = logging.getLogger(__name__)
 
 _SOURCE = "cpu_kernels.cc"
@@ -129,8 +131,8 @@ def source_tag() -> str:
 
 
 def active(kernel: str = "matmul") -> bool:
-    """Whether `kernel` ("matmul" or "attention") runs in this process (the CPU backend, kernel built)."""
-    return jax.default_backend() == "cpu" and _library()[kernel]
+    """Whether `kernel` ("matmul" or "attention") runs in the programs traced now (for a CPU, kernel built)."""
+    return traced_for_cpu() and _library()[kernel]
 
 
 def usable(x: jax.Array, w: jax.Array) -> bool:

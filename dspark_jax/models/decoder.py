@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.core.platform import traced_for_cpu
 from dspark_jax.models import cpu_kernels
 from dspark_jax.models.config import ModelConfig
 
@@ -45,8 +46,8 @@ PACKED_ATTENTION_BLOCK = 128  # tokens per query / key block of `forward_packed`
 
 
 def default_layout() -> str:
-    """The faster layout for the default backend (see the module docstring)."""
-    return "per_layer" if jax.default_backend() == "cpu" else "stacked"
+    """The faster layout for the platform being traced for (see the module docstring)."""
+    return "per_layer" if traced_for_cpu() else "stacked"
 
 
 def layout_of(params: dict) -> str:
@@ -102,15 +103,14 @@ def activation_dtype(weight_dtype) -> str:
     """The activations' (and KV cache's) dtype for weights stored in `weight_dtype`: the same,
     except on a CPU, where bf16 arithmetic outside matrix products is emulated (a decode step in
     bf16 throughout measured 5x the fp32 one) and bf16 weights go with fp32 activations."""
-    return "float32" if jax.default_backend() == "cpu" else jnp.dtype(weight_dtype).name
+    return "float32" if traced_for_cpu() else jnp.dtype(weight_dtype).name
 
 
 def _moved_as_bits(a) -> bool:
     # XLA:CPU widens bf16 slices, dynamic slices and gathers to fp32 first, converting the WHOLE
     # array (a stacked drafter's weights every call: ~10 ms of its 26 ms pass, measured); moved as
     # uint16 bits they are not converted.
-    return jnp.dtype(a.dtype).itemsize == 2 and jnp.issubdtype(a.dtype, jnp.floating) and \
-        jax.default_backend() == "cpu"
+    return jnp.dtype(a.dtype).itemsize == 2 and jnp.issubdtype(a.dtype, jnp.floating) and traced_for_cpu()
 
 
 def _as_bits(a: jax.Array) -> jax.Array:
@@ -163,7 +163,7 @@ def weight_einsum(spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if spec.replace(" ", "") in _ROWS_OF_W and out_dtype == jnp.float32 and cpu_kernels.usable(x, w):
         return cpu_kernels.matmul_t(x, w)
-    one_row = w.dtype != out_dtype and x.size == x.shape[-1] and jax.default_backend() == "cpu"
+    one_row = w.dtype != out_dtype and x.size == x.shape[-1] and traced_for_cpu()
     xw = jnp.stack([x, x]) if one_row else x
     out = jnp.einsum(spec, xw.astype(w.dtype), w, preferred_element_type=out_dtype)
     return out[0] if one_row else out
@@ -319,7 +319,7 @@ def _materialized(fn, x):
     fifth of an 8-token verify pass's elementwise time). A conditional's results are buffers that
     no fusion reaches into; both branches are fn, so the (runtime) predicate changes nothing.
     Elsewhere, fn(x) as it is: XLA's GPU and TPU fusions recompute such producers cheaply."""
-    if jax.default_backend() != "cpu":
+    if not traced_for_cpu():
         return fn(x)
     return jax.lax.cond(x.reshape(-1)[0] == x.reshape(-1)[0], fn, fn, x)
 

@@ -67,6 +67,12 @@ ACCELERATORS: dict[str, Accelerator] = {
     "tpu-v6e": Accelerator(
         "Google TPU v6e / Trillium (one chip)", 1.64e12, 918e12, 32e9,
         "Google Cloud TPU v6e documentation: 918 TFLOP/s bf16, 32 GB HBM at 1,640 GB/s per chip"),
+    "tpu-v5e": Accelerator(
+        "Google TPU v5e (one chip)", 819e9, 197e12, 16e9,
+        "Google Cloud TPU v5e documentation: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s per chip"),
+    "tpu-v4": Accelerator(
+        "Google TPU v4 (one chip)", 1.2e12, 275e12, 32e9,
+        "Google Cloud TPU v4 documentation: 275 TFLOP/s bf16, 32 GiB HBM2 at 1,200 GB/s per chip"),
 }
 
 

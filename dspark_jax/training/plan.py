@@ -60,7 +60,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 
 from dspark_jax.core.errors import UserError
 from dspark_jax.distributed.sharding import MESH_AXES, is_spec, logical_spec
@@ -70,25 +69,6 @@ from dspark_jax.training.config import TrainConfig
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 INT_FIELDS = 4  # tokens, positions, segment_ids, loss_mask: int32 [rows, seq_len] each
 DEFAULT_MFU = 0.4  # an assumption, not a measurement
-
-# Chips of a Cloud TPU slice from its accelerator type: v4 and v5p names count TensorCores (two
-# per chip), v5e (v5litepod) and v6e names count chips. -> (hardware.ACCELERATORS key, divisor).
-_TPU_FAMILIES = {"v4": (None, 2), "v5p": ("tpu-v5p", 2), "v5litepod": (None, 1), "v5e": (None, 1),
-                 "v6e": ("tpu-v6e", 1)}
-
-
-def tpu_chips(accelerator_type: str) -> tuple[int, str | None]:
-    """(chips, hardware.ACCELERATORS key or None) of an accelerator type such as v5p-8 (4 chips) or
-    v6e-8 (8 chips)."""
-    m = re.fullmatch(r"(v4|v5p|v5litepod|v5e|v6e)-(\d+)", accelerator_type.strip().lower())
-    if not m:
-        raise UserError(f"unknown TPU accelerator type {accelerator_type!r} (e.g. v5p-8, v6e-8, v5litepod-16, v4-32)")
-    key, per_chip = _TPU_FAMILIES[m[1]]
-    cores = int(m[2])
-    if cores % per_chip or cores == 0:
-        raise UserError(f"{accelerator_type}: {m[1]} slices come in multiples of {per_chip}")
-    return cores // per_chip, key
-
 
 def resolve_mesh(mesh: tuple[int, int, int], num_devices: int) -> tuple[int, int, int]:
     """(data, fsdp, tensor) sizes of `run.mesh` on `num_devices` devices, as `sharding.make_mesh`
@@ -422,17 +402,34 @@ def format_plan(plan: dict) -> str:
                      f"per device per micro-batch); at {acc['mfu']:.0%} MFU (assumed) of "
                      f"{acc['peak_flops'] / 1e12:.0f} TFLOP/s bf16: {acc['step_seconds']:,.1f} s/step, "
                      f"{acc['tokens_per_second']:,.0f} tokens/s")
+    compiled = plan.get("compiled")
+    if compiled:
+        from dspark_jax.serving.tpu_compile import ProgramReport, format_reports, tpu_slice
+
+        fields = {f.name for f in dataclasses.fields(ProgramReport)}
+        reports = [ProgramReport(**{k: v for k, v in r.items() if k in fields}) for r in compiled["programs"]]
+        lines.append(format_reports(reports, tpu_slice(compiled["accelerator_type"])))
+        lines.append(f"the plan's total against the compiled train step: {_gb(mem['total'])} vs "
+                     f"{_gb(reports[0].per_chip_bytes)} ({compiled['plan_error']:+.0%})")
     return "\n".join(lines)
 
 
 def plan_for(cfg: TrainConfig, *, devices: int | None = None, accelerator_type: str | None = None,
-             accelerator: str | None = None, target_config: str | None = None, mfu: float = DEFAULT_MFU) -> dict:
+             accelerator: str | None = None, target_config: str | None = None, mfu: float = DEFAULT_MFU,
+             compile: bool = False) -> dict:
     """The plan `train --plan` prints: for `devices` devices, a Cloud TPU slice (`accelerator_type`,
     e.g. v5p-8) or, given neither, the devices this process sees; the target's shapes from
-    `target_config` (a config.json) when cfg.target is not on this machine."""
-    chip = None
+    `target_config` (a config.json) when cfg.target is not on this machine. `compile`: with
+    `accelerator_type`, also the TPU compiler's per-chip memory of the train and eval steps
+    (`training.compile_check`) and the plan's error against it."""
+    chip = tpu = None
+    if compile and not accelerator_type:
+        raise UserError("--compile compiles for a Cloud TPU slice: give --accelerator-type (e.g. v5p-8)")
     if accelerator_type:
-        devices, chip = tpu_chips(accelerator_type)
+        from dspark_jax.serving.tpu_compile import tpu_slice
+
+        tpu = tpu_slice(accelerator_type)
+        devices, chip = tpu.chips, tpu.key
     elif devices is None:
         import jax
 
@@ -443,4 +440,15 @@ def plan_for(cfg: TrainConfig, *, devices: int | None = None, accelerator_type: 
         from dspark_jax.models.config import config_from_hf
 
         target = config_from_hf(read_json(target_config), source=target_config)
-    return training_plan(cfg, devices, target, accelerator=accelerator or chip, mfu=mfu)
+    found = training_plan(cfg, devices, target, accelerator=accelerator or chip, mfu=mfu)
+    if compile:
+        from dspark_jax.training.compile_check import compile_train_programs
+
+        name, target = (os.path.basename(os.path.normpath(cfg.target)), target) if target else \
+            target_model_config(cfg.target)[:2]
+        reports = compile_train_programs(cfg, tpu, target, name)
+        compiled = reports[0].per_chip_bytes
+        found["compiled"] = {"accelerator_type": tpu.accelerator_type, "topology": tpu.topology,
+                             "programs": [r.as_dict() for r in reports],
+                             "plan_error": found["memory_per_device"]["total"] / compiled - 1}
+    return found

@@ -179,6 +179,57 @@ def make_train_step(cfg: TrainConfig, dcfg: DrafterConfig, tcfg: ModelConfig, op
     return step
 
 
+class TrainPrograms:
+    """The jitted train and eval steps of a config on a mesh, with their inputs' shardings, and those
+    inputs as shapes alone (`abstract_inputs`): what the Trainer runs, and what the compile check
+    (`training.compile_check`) hands the TPU compiler without a weight in memory."""
+
+    def __init__(self, cfg: TrainConfig, dcfg: DrafterConfig, tcfg: ModelConfig, mesh, target_layout: str):
+        self.cfg, self.dcfg, self.tcfg, self.mesh, self.target_layout = cfg, dcfg, tcfg, mesh, target_layout
+        self.optimizer = make_optimizer(cfg)
+        init_params, _ = drafter_functions(dcfg)
+        self.abstract_params = jax.eval_shape(functools.partial(init_params, dcfg), jax.random.key(0))
+        p_sh = sharding.tree_shardings(mesh, drafter_logical_axes(self.abstract_params),
+                                       jax.tree.map(lambda a: a.shape, self.abstract_params))
+        self.replicated = NamedSharding(mesh, P())
+        self.abstract_opt = jax.eval_shape(self.optimizer.init, self.abstract_params)
+        opt_sh = optax.tree_utils.tree_map_params(self.optimizer, lambda _, s: s, self.abstract_opt, p_sh,
+                                                  transform_non_params=lambda _: self.replicated)
+        self.state_shardings = TrainState(self.replicated, p_sh, opt_sh)
+        self.target_shardings = sharding.param_shardings(mesh, tcfg, target_layout)
+        self.batch_rows = cfg.data.rows * cfg.optim.grad_accum  # global rows of a train batch
+        self.batch_sharding = NamedSharding(mesh, sharding.logical_spec(mesh, ("batch",), (self.batch_rows,)))
+        step = make_train_step(cfg, dcfg, tcfg, self.optimizer)
+        self.train_step = jax.jit(step, in_shardings=(self.state_shardings, self.target_shardings, self.batch_sharding),
+                                  out_shardings=(self.state_shardings, self.replicated), donate_argnums=(0,))
+        self.eval_step = jax.jit(make_loss(cfg, dcfg, tcfg), out_shardings=self.replicated)
+
+    def abstract_batch(self, rows: int) -> dict:
+        """A packed batch of `rows` rows as shapes (data.pipeline's fields; the cached features with
+        data.feature_cache)."""
+        S, NB = self.cfg.data.seq_len, self.cfg.data.blocks_per_row
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        batch = dict(tokens=i32(rows, S), positions=i32(rows, S), segment_ids=i32(rows, S), loss_mask=i32(rows, S),
+                     block_start=i32(rows, NB), block_valid=jax.ShapeDtypeStruct((rows, NB), jnp.bool_))
+        if self.cfg.data.feature_cache:
+            m, d = len(self.dcfg.target_layer_ids), self.tcfg.hidden_size
+            batch.update(ctx_features=jax.ShapeDtypeStruct((rows, S, m * d), jnp.bfloat16),
+                         target_last_hidden=jax.ShapeDtypeStruct((rows, S, d), jnp.bfloat16))
+        return batch
+
+    def abstract_inputs(self) -> tuple[TrainState, dict, dict]:
+        """(state, target params, batch) of the train step as ShapeDtypeStructs carrying their
+        shardings: the target's weights in its float32 (`registry.load_target`'s default)."""
+        with_sharding = lambda tree, shardings: jax.tree.map(  # noqa: E731
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+        state = TrainState(jax.ShapeDtypeStruct((), jnp.int32), self.abstract_params, self.abstract_opt)
+        target = jax.eval_shape(lambda k: decoder.with_layout(decoder.init_params(self.tcfg, k), self.tcfg,
+                                                               self.target_layout), jax.random.key(0))
+        batch = self.abstract_batch(self.batch_rows)
+        return (with_sharding(state, self.state_shardings), with_sharding(target, self.target_shardings),
+                with_sharding(batch, jax.tree.map(lambda _: self.batch_sharding, batch)))
+
+
 def drafter_logical_axes(params: dict) -> dict:
     """Logical axes of drafter params by name (see sharding.LOGICAL_TO_MESH)."""
     layer_axes = {"wq": ("layers", "embed", "heads"), "wk": ("layers", "embed", "kv_heads"),
@@ -497,27 +548,15 @@ class Trainer:
             self._pick_draft_vocabulary(progress)
         self.start_params = self._start_from_drafter() if cfg.optim.init_from_drafter else None
         self.mesh = sharding.make_mesh(*cfg.run.mesh)
-        self.optimizer = make_optimizer(cfg)
         init_params, _ = drafter_functions(self.dcfg)
         self._init_params = functools.partial(init_params, self.dcfg)
-
-        abstract_params = jax.eval_shape(self._init_params, jax.random.key(0))
-        p_sh = sharding.tree_shardings(self.mesh, drafter_logical_axes(abstract_params),
-                                       jax.tree.map(lambda a: a.shape, abstract_params))
-        replicated = NamedSharding(self.mesh, P())
-        abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
-        opt_sh = optax.tree_utils.tree_map_params(self.optimizer, lambda _, s: s, abstract_opt, p_sh,
-                                                  transform_non_params=lambda _: replicated)
-        self.state_shardings = TrainState(replicated, p_sh, opt_sh)
-        self.target_shardings = sharding.param_shardings(self.mesh, target.config, decoder.layout_of(target.params))
+        programs = TrainPrograms(cfg, self.dcfg, target.config, self.mesh, decoder.layout_of(target.params))
+        self.optimizer, self.state_shardings = programs.optimizer, programs.state_shardings
+        self.target_shardings, self.batch_sharding = programs.target_shardings, programs.batch_sharding
         self.target_params = jax.device_put(target.params, self.target_shardings)
-        self.batch_rows = cfg.data.rows * cfg.optim.grad_accum  # global rows of a train batch
-        self.batch_sharding = NamedSharding(self.mesh, sharding.logical_spec(self.mesh, ("batch",), (self.batch_rows,)))
-        step = make_train_step(cfg, self.dcfg, target.config, self.optimizer)
-        self.train_step = jax.jit(step, in_shardings=(self.state_shardings, self.target_shardings, self.batch_sharding),
-                                  out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
+        self.batch_rows = programs.batch_rows
+        self.train_step, self.eval_step = programs.train_step, programs.eval_step
         self.data = data_factory(cfg, self.dcfg, self.train_source)
-        self.eval_step = jax.jit(make_loss(cfg, self.dcfg, target.config), out_shardings=replicated)
         self.eval_sharding = NamedSharding(self.mesh, sharding.logical_spec(self.mesh, ("batch",), (cfg.data.rows,)))
         self.feature_cache = self._feature_cache(progress) if cfg.data.feature_cache else None
         self._manager = None
