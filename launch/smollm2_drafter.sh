@@ -15,9 +15,10 @@
 #
 # Run from the repository root with the package installed. Settings (environment): PYTHON, DATA,
 # SEEDS (sampled datagen seeds, default "0"), BUDGET_S (training seconds this sitting, default
-# 5400; calibration after it takes ~20 minutes more), LR (default 3e-4, held after WARMUP_STEPS,
-# default 50), DATAGEN_BATCH (rows datagen decodes at once, default 32; the responses do not depend
-# on it: raise it on an accelerator), FEATURE_CACHE (default none: the target runs in each training
+# 5400; calibration after it takes ~20 minutes more), LR (default 1e-4, held after WARMUP_STEPS,
+# default 50; 3e-4 lowered held-out tau over a sitting's first 68 steps, 1e-4 raised it in 174),
+# DATAGEN_BATCH (rows datagen decodes at once, default 32; the responses do not depend on it: raise
+# it on an accelerator), FEATURE_CACHE (default none: the target runs in each training
 # step; a folder: the target's features cached there first, worth it only where building the cache
 # is cheap next to the sitting: docs/results.md section 14), FEATURE_DTYPE (the target's weights for
 # a feature cache build: bfloat16 where the CPU multiplies bf16 natively (AMX, AVX512-BF16), float32
@@ -35,11 +36,14 @@ case "${1:-}" in
 esac
 
 PYTHON=${PYTHON:-python}
+# a CPU recipe: in an environment with libtpu (the test extra installs it) JAX would otherwise try to
+# start a TPU backend in every command and print libtpu's warnings
+export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
 DATA=${DATA:-datasets/smollm2-135m}
 SHIPPED=${SHIPPED:-dspark_jax/shipped/dspark_smollm2-135m}
 SEEDS=${SEEDS:-0}
 BUDGET_S=${BUDGET_S:-5400}
-LR=${LR:-3.0e-4}
+LR=${LR:-1.0e-4}
 WARMUP_STEPS=${WARMUP_STEPS:-50}
 DATAGEN_BATCH=${DATAGEN_BATCH:-32}
 DATAGEN=${DATAGEN:-1}
