@@ -35,8 +35,7 @@ def compile_train_programs(cfg: TrainConfig, tpu: TpuSlice, target: ModelConfig,
         state, target_params, batch = programs.abstract_inputs()
         reports = [program_report("train_step", programs.train_step.lower(state, target_params, batch).compile(), tpu)]
         if eval_step:
-            rows = jax.sharding.NamedSharding(mesh, sharding.logical_spec(mesh, ("batch",), (cfg.data.rows,)))
-            eval_batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rows),
+            eval_batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=programs.eval_sharding),
                                       programs.abstract_batch(cfg.data.rows))
             compiled = programs.eval_step.lower(state.params, target_params, eval_batch).compile()
             reports.append(program_report("eval_step", compiled, tpu))

@@ -203,6 +203,7 @@ class TrainPrograms:
         self.train_step = jax.jit(step, in_shardings=(self.state_shardings, self.target_shardings, self.batch_sharding),
                                   out_shardings=(self.state_shardings, self.replicated), donate_argnums=(0,))
         self.eval_step = jax.jit(make_loss(cfg, dcfg, tcfg), out_shardings=self.replicated)
+        self.eval_sharding = NamedSharding(mesh, sharding.logical_spec(mesh, ("batch",), (cfg.data.rows,)))
 
     def abstract_batch(self, rows: int) -> dict:
         """A packed batch of `rows` rows as shapes (data.pipeline's fields; the cached features with
@@ -557,7 +558,7 @@ class Trainer:
         self.batch_rows = programs.batch_rows
         self.train_step, self.eval_step = programs.train_step, programs.eval_step
         self.data = data_factory(cfg, self.dcfg, self.train_source)
-        self.eval_sharding = NamedSharding(self.mesh, sharding.logical_spec(self.mesh, ("batch",), (cfg.data.rows,)))
+        self.eval_sharding = programs.eval_sharding
         self.feature_cache = self._feature_cache(progress) if cfg.data.feature_cache else None
         self._manager = None
 
