@@ -2,18 +2,26 @@
 split into its parts, for each decoder layer layout, in one run.
 
     python benchmarks/bench_round.py [--layouts per_layer,stacked] [--dtypes float32,bfloat16] [--context 256]
-        [--cache 512] [--repeats 15]
+        [--cache 512] [--repeats 15] [--draft-vocab 16384]
 
-Rows (batch 1, SmolLM2-135M with the shipped drafter in each --dtypes, medians of --repeats, compilation excluded):
+Rows (batch --batch, default 1, SmolLM2-135M with the shipped drafter in each --dtypes, medians of --repeats, compilation excluded):
 * `forward T=n`: the target's extend pass over n new tokens at --context committed tokens, LM head
   on the last position, the cache donated (what a plain decode step or a padded verify pass costs);
 * `forward T=1, long`: the same decode step at a context of --long-context tokens;
+* `target pass, verify's outputs`: the target's pass over the anchor + gamma drafts with what the
+  verify pass needs of it: the logits of every position and the drafter's tap features;
 * `draft`: the drafter's pass for one row (backbone, head scan, confidence, schedule), with the
   params the engine decodes with (`LoadedDrafter.decoding_params`: the shipped drafter's bf16 weights
   in its decoding layout);
 * `verify + commit`: the verify pass over the anchor + gamma drafts, acceptance, cache commit;
-* `round`: a whole round as the engine runs it (host round trip included).
-The ratio `forward T=8 / forward T=1` is the cost of verifying 7 drafts relative to a plain step.
+* `round`: a whole round as the engine runs it (host round trip included);
+* with --draft-vocab N: `draft` and `round` again with the shipped drafter given the N most frequent
+  response tokens of --data as its draft vocabulary (`python -m dspark_jax.draft_vocab`).
+The ratios below them: verify + commit over the target's pass with its outputs, the round over
+draft + verify, the round over a plain step (`forward T=1`), and `forward T=8 / forward T=1`.
+
+Every row's program runs once per repeat in turn (round-robin), so a slow phase of the machine
+touches every row alike and the ratios are measured side by side.
 
 --profile adds, per layout and dtype, where `forward T=1`, `forward T=8`, `draft` and `verify + commit`
 spend their time:
@@ -42,19 +50,26 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import products_note, write_results  # noqa: E402
 
 
-def median_ms(run, make, repeats: int) -> float:
-    """Median wall time of run(*make()) over `repeats` calls after one warm-up; make() is untimed."""
+def interleaved_ms(timers: dict, repeats: int) -> dict[str, float]:
+    """{name: median wall ms} of timers {name: (run, make)}: each run(*make()) once per repeat in
+    turn, after one warm-up round; make() is untimed."""
     import jax
 
-    times = []
+    times = {name: [] for name in timers}
     for i in range(repeats + 1):
-        args = make()
-        jax.block_until_ready(args)
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(*args))
-        if i:
-            times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+        for name, (run, make) in timers.items():
+            args = make()
+            jax.block_until_ready(args)
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(*args))
+            if i:
+                times[name].append(time.perf_counter() - t0)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def median_ms(run, make, repeats: int) -> float:
+    """Median wall ms of run(*make()) over `repeats` calls after one warm-up; make() is untimed."""
+    return interleaved_ms({"": (run, make)}, repeats)[""]
 
 
 def op_kinds(program) -> dict[str, str]:
@@ -131,10 +146,35 @@ def forward_ms(target, tokens: int, context: int, cache_len: int, repeats: int, 
     return median_ms(*forward_program(target, tokens, context, cache_len, batch), repeats)
 
 
-def round_ms(target, drafter, context: int, repeats: int, batch: int = 1, profile: dict | None = None) -> dict:
-    """Draft, verify + commit and the whole round for `batch` rows (the same prompt), fixed gamma =
-    the block size, greedy. `drafter`: anything with .config and .params. With `profile` (a dict),
-    profile["draft"] and profile["verify + commit"] get their `op_profile`."""
+def verify_outputs_program(target, tap_layers, tokens: int, context: int, cache_len: int, batch: int = 1):
+    """(compiled pass, make): the target's extend pass over `tokens` new tokens per row returning
+    what a verify pass uses of it, the logits of every position and the tap features (cache donated)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspark_jax.models import decoder
+
+    cfg, params = target.config, target.params
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(params, cache, new):
+        hidden, cache, taps = decoder.forward(params, cfg, new, cache, jnp.full((batch,), tokens, jnp.int32), tap_layers)
+        return decoder.logits(params, cfg, hidden), jnp.concatenate(list(taps), -1), cache
+
+    def make():
+        cache = decoder.cache_for(params, cfg, batch, cache_len)
+        cache = dataclasses.replace(cache, lengths=jnp.full((batch,), context, jnp.int32))
+        return params, cache, jnp.ones((batch, tokens), jnp.int32)
+
+    return step.lower(*make()).compile(), make
+
+
+def round_timers(target, drafter, context: int, repeats: int, batch: int = 1, profile: dict | None = None,
+                 label: str = "") -> dict:
+    """Timers (see interleaved_ms) of the draft, verify + commit and the whole round for `batch`
+    rows (the same prompt), fixed gamma = the block size, greedy; names suffixed with `label`.
+    `drafter`: anything with .config and .params. With `profile` (a dict), profile["draft"] and
+    profile["verify + commit"] get their `op_profile`."""
     import jax
     import jax.numpy as jnp
 
@@ -158,36 +198,31 @@ def round_ms(target, drafter, context: int, repeats: int, batch: int = 1, profil
     run_draft = compiled(spec_draft, (target.params, drafter.params, state, None), statics)
     run_verify = compiled(spec_verify, (target.params, drafter.params, state, run_draft.out_info), statics)
     run_round = round_program(target.params, drafter.params, state, None, **statics)
-    out = {}
-    holder = {"state": fresh()}
+    holder = {"state": fresh()}  # the verify and round timers step it on (each donates it)
 
     def draft_args():
         return (target.params, drafter.params, holder["state"], None)
-
-    out["draft"] = median_ms(run_draft, draft_args, repeats)
-    if profile is not None:
-        profile["draft"] = op_profile(run_draft, draft_args)
 
     def verify(tp, dp, st, drafted):
         holder["state"], stats = run_verify(tp, dp, st, drafted)
         return holder["state"]
 
-    holder["state"] = fresh()
-    out["verify + commit"] = median_ms(verify, lambda: draft_args()[:3] + (run_draft(*draft_args()),), repeats)
+    def whole(tp, dp, st, temps):
+        holder["state"], _ = run_round(tp, dp, st, temps)
+        return holder["state"]
+
     if profile is not None:
+        profile["draft"] = op_profile(run_draft, draft_args)
+
         def verify_args():  # a state of its own per execution: the verify pass donates it
             state = fresh()
             return target.params, drafter.params, state, run_draft(target.params, drafter.params, state, None)
 
         profile["verify + commit"] = op_profile(run_verify, verify_args)
-
-    def whole(tp, dp, st, temps):
-        holder["state"], _ = run_round(tp, dp, st, temps)
-        return holder["state"]
-
-    holder["state"] = fresh()
-    out["round"] = median_ms(whole, draft_args, repeats)
-    return out
+    timers = {"draft": (run_draft, draft_args),
+              "verify + commit": (verify, lambda: draft_args()[:3] + (run_draft(*draft_args()),)),
+              "round": (whole, draft_args)}
+    return {f"{name}{label}": timer for name, timer in timers.items()}
 
 
 def profile_markdown(results: list[dict]) -> str:
@@ -205,6 +240,14 @@ def profile_markdown(results: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+RATIOS = {  # name: (numerator rows, denominator rows)
+    "verify + commit / target pass with its outputs": (("verify + commit",), ("target pass, verify's outputs",)),
+    "round / (draft + verify + commit)": (("round",), ("draft", "verify + commit")),
+    "round / plain step": (("round",), ("forward T=1",)),
+    "verify 8 / decode 1": (("forward T=8",), ("forward T=1",)),
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layouts", default="per_layer,stacked")
@@ -214,6 +257,10 @@ def main() -> None:
     ap.add_argument("--cache", type=int, default=512, help="KV-cache length (positions)")
     ap.add_argument("--long-context", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--batch", type=int, default=1, help="request rows decoded together (the same prompt in each)")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="also time the draft and the round with an N-token draft vocabulary from --data")
+    ap.add_argument("--data", default="datasets/smollm2-135m/train", help="the drafter's training data (--draft-vocab)")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     ap.add_argument("--name", default="round", help="results file name")
     ap.add_argument("--profile", action="store_true",
@@ -226,20 +273,29 @@ def main() -> None:
 
     from dspark_jax.checkpoints.registry import default_drafter_path, load_target
     from dspark_jax.drafters.checkpoint import load_drafter
+    from dspark_jax.training.draft_vocab import with_draft_vocabulary
 
     results = []
     for layout, dtype in [(lay, dt) for lay in args.layouts.split(",") for dt in args.dtypes.split(",")]:
         target = load_target("smollm2-135m", dtype=dtype, layout=layout)
-        drafter = load_drafter(default_drafter_path("smollm2-135m"), target.config, "smollm2-135m")
-        drafter = dataclasses.replace(drafter, params=drafter.decoding_params(target))  # what the engine decodes with
-        row = {"layout": layout, "dtype": dtype}
-        for n in (1, 2, 4, 8):
-            row[f"forward T={n}"] = forward_ms(target, n, args.context, args.cache, args.repeats)
-        long_cache = args.long_context + 128
-        row["forward T=1, long"] = forward_ms(target, 1, args.long_context, long_cache, args.repeats)
+        loaded = load_drafter(default_drafter_path("smollm2-135m"), target.config, "smollm2-135m")
+        drafter = dataclasses.replace(loaded, params=loaded.decoding_params(target))  # what the engine decodes with
+        B = args.batch
+        timers = {f"forward T={n}": forward_program(target, n, args.context, args.cache, B) for n in (1, 2, 4, 8)}
+        timers["forward T=1, long"] = forward_program(target, 1, args.long_context, args.long_context + 128, B)
+        timers["target pass, verify's outputs"] = verify_outputs_program(
+            target, loaded.config.tap_layers, loaded.config.block_size + 1, args.context, args.cache, B)
         profile = {} if args.profile else None
-        row.update(round_ms(target, drafter, args.context, args.repeats, profile=profile))
-        row["verify 8 / decode 1"] = row["forward T=8"] / row["forward T=1"]
+        timers.update(round_timers(target, drafter, args.context, args.repeats, B, profile=profile))
+        if args.draft_vocab:
+            small = with_draft_vocabulary(loaded, args.data, args.draft_vocab)
+            small = dataclasses.replace(small, params=small.decoding_params(target))
+            timers.update({k: v for k, v in round_timers(target, small, args.context, args.repeats, B,
+                                                        label=f", {args.draft_vocab}-token draft vocabulary").items()
+                           if not k.startswith("verify")})  # the verify pass is the same program
+        row = {"layout": layout, "dtype": dtype, **interleaved_ms(timers, args.repeats)}
+        for name, (num, den) in RATIOS.items():
+            row[name] = sum(row[k] for k in num) / sum(row[k] for k in den)
         if args.profile:
             for n in (1, 8):
                 profile[f"forward T={n}"] = op_profile(*forward_program(target, n, args.context, args.cache))
@@ -248,14 +304,15 @@ def main() -> None:
         print({k: v for k, v in row.items() if k != "profile"}, flush=True)
 
     keys = [k for k in results[0] if k not in ("layout", "dtype", "profile")]
-    md = ["| ms (batch 1) | " + " | ".join(f"{r['layout']}, {r['dtype']}" for r in results) + " |",
+    md = [f"| ms (batch {args.batch}) | " + " | ".join(f"{r['layout']}, {r['dtype']}" for r in results) + " |",
           "|---|" + "---:|" * len(results)]
     for k in keys:
-        fmt = "{:.2f}x" if k == "verify 8 / decode 1" else "{:.1f}"
+        fmt = "{:.2f}x" if k in RATIOS else "{:.1f}"
         md.append(f"| {k} | " + " | ".join(fmt.format(r[k]) for r in results) + " |")
     md.append(f"\nSmolLM2-135M-Instruct (weights in the column's dtype, activations fp32), shipped DSpark drafter (gamma = its block size), greedy; context "
               f"{args.context} tokens in a {args.cache}-position cache (`long`: {args.long_context} in "
-              f"{args.long_context + 128}); medians of {args.repeats}; nothing else ran on the machine.\n")
+              f"{args.long_context + 128}); medians of {args.repeats}, every program run once per repeat in turn; "
+              "nothing else ran on the machine.\n")
     md.append(products_note(args.xla_dot))
     if args.profile:
         md.append(profile_markdown(results))

@@ -12,11 +12,11 @@ import os
 import pytest
 
 from cli_helpers import run_main
-from dspark_jax import calibrate, decode, eval as eval_cli, plot_metrics, train
+from dspark_jax import calibrate, decode, draft_vocab, eval as eval_cli, plot_metrics, train
 from dspark_jax import datagen
 
 COMMANDS = {"decode": decode.main, "eval": eval_cli.main, "calibrate": calibrate.main, "datagen": datagen.main,
-            "train": train.main, "plot_metrics": plot_metrics.main}
+            "train": train.main, "plot_metrics": plot_metrics.main, "draft_vocab": draft_vocab.main}
 
 CONFIG = "configs/dspark_smollm2-135m.yaml"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,6 +67,10 @@ CASES = [
     ("calibrate", ["--drafter", "{D}", "--limit", "0", "--out", "{W}/out"], "limit", True),
     ("calibrate", ["--drafter", "{D}", "--sets", "nope", "--out", "{W}/out"], "nope", True),
     ("calibrate", ["--drafter", "{D}", "--batch-size", "0", "--out", "{W}/out"], "batch-size", True),
+    # draft_vocab
+    ("draft_vocab", ["--drafter", "{W}/no_drafter", "--data", "{W}", "--size", "8"], "no_drafter", True),
+    ("draft_vocab", ["--drafter", "{D}", "--data", "{W}/no_data", "--size", "8"], "no_data", True),
+    ("draft_vocab", ["--drafter", "{D}", "--data", "{W}", "--size", "-1"], "size", True),
     # datagen
     ("datagen", ["--sets", "nope", "--out", "{W}/data"], "nope", True),
     ("datagen", ["--sets", "gsm8k", "--out", "memory://bucket/data"], "memory:// URLs are not supported", True),

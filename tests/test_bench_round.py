@@ -30,3 +30,17 @@ def test_op_profile_names_our_products_by_weight_shape_and_counts_every_call():
     assert profile["product, weights f32[32,64]"]["calls"] == pytest.approx(2)
     assert all(v["ms"] > 0 for v in profile.values())
     assert any(k.startswith("XLA ops") for k in profile)  # the tanh, slices and product between them
+
+
+def test_timers_run_in_turn_once_per_repeat_after_a_warm_up():
+    """Side by side: a slow phase of the machine must touch every row alike, so each repeat runs
+    every timer once, in turn, and the first round (compilation, first executions) is not counted."""
+    calls = []
+
+    def timer(name):
+        return (lambda x: calls.append((name, x)) or jnp.zeros(()), lambda: (len(calls),))
+
+    medians = bench_round.interleaved_ms({"a": timer("a"), "b": timer("b")}, repeats=3)
+    assert [name for name, _ in calls] == ["a", "b"] * 4
+    assert [x for _, x in calls] == list(range(8))  # make() is called right before its run
+    assert set(medians) == {"a", "b"} and all(v >= 0 for v in medians.values())

@@ -1,6 +1,8 @@
 """Draft vocabulary: the drafter scores only N target tokens (its LM head shrinks by V / N), every
 other token has draft probability exactly zero, and speculative decoding stays lossless."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,6 +71,26 @@ def test_proposals_stay_inside_the_draft_vocabulary(sampling):
     outside = ~np.isin(np.arange(32), VOCAB)
     assert np.all(probs[..., outside] == 0.0)
     np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("precomputed", [False, True])
+def test_drafting_over_the_draft_vocabulary_is_the_whole_vocabulary_masked(precomputed):
+    """`propose` drafts in the N-token space (head, Markov bias, argmax over N); its logits and greedy
+    tokens are those of the whole-vocabulary computation with every other token at -inf."""
+    dcfg, dparams = small_vocab_drafter()
+    decoding = dspark.with_draft_head(dparams, dcfg, TARGET, TCFG) if precomputed else dparams
+    assert ("draft_markov" in decoding) == precomputed
+    B = 16
+    cache = dspark.init_drafter_cache(dcfg, B, 32)
+    feats = jax.random.normal(jax.random.key(4), (B, 6, 2 * dcfg.hidden_size))
+    cache = dspark.append_context(dparams, dcfg, cache, feats, jnp.full((B,), 6, jnp.int32))
+    anchors = jnp.asarray(np.random.default_rng(1).integers(0, 32, B), jnp.int32)
+    prop = dspark.propose(decoding, dcfg, TARGET, TCFG, cache, anchors, jax.random.key(0), SamplingConfig(0.0))
+    prev = jnp.concatenate([anchors[:, None], prop.tokens[:, :-1]], axis=1)
+    want = dspark.base_logits(dparams, dcfg, TARGET, TCFG, prop.hidden) + dspark._teacher_forced_bias(
+        dparams, dcfg, prop.hidden, prev)
+    np.testing.assert_allclose(np.asarray(prop.logits), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(prop.tokens), np.argmax(np.asarray(want), -1))
 
 
 @pytest.mark.parametrize("policy", ["fixed", "dspark"])
@@ -148,3 +170,43 @@ def test_export_refuses_a_draft_vocabulary_in_one_line():
     dcfg, _ = small_vocab_drafter()
     with pytest.raises(UserError, match="draft-to-target token map"):
         check_exportable(dcfg.replace(target_name="tiny"))
+
+
+def test_a_trained_drafter_gets_a_draft_vocabulary_from_the_command_line(tmp_path, capsys):
+    """`python -m dspark_jax.draft_vocab`: the coverage of each N on training and held-out responses,
+    then the drafter written with the N most frequent response tokens, its weights, calibration and
+    storage unchanged; `--size 0` takes the vocabulary away again; bad input is one line."""
+    import json
+
+    from cli_helpers import assert_one_line_error, run_main
+    from test_data import write_fake_dataset
+
+    from dspark_jax import draft_vocab
+
+    write_fake_dataset(str(tmp_path / "train"), [([9, 9], [5, 5, 7, 2]), ([9], [5, 7, 3])])
+    write_fake_dataset(str(tmp_path / "held"), [([9], [5, 7, 11]), ([9], [2, 2])])
+    dcfg, dparams = drafter()
+    save_drafter(str(tmp_path / "d"), dcfg, jax.device_get(dparams), sts_temperatures=[1.5] * dcfg.block_size,
+                 metadata={"steps": 7}, dtype="bfloat16")
+    common = ["--drafter", str(tmp_path / "d"), "--data", str(tmp_path / "train"), "--held-out", str(tmp_path / "held")]
+    code, out, err = run_main(draft_vocab.main, capsys, *common, "--sizes", "2,4")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    # train: 5 x3, 7 x2, 2 x1, 3 x1 (prompts not counted); held out: 5, 7, 11, 2, 2
+    assert rows == [{"size": 2, "train": 5 / 7, "held_out": 2 / 5}, {"size": 4, "train": 1.0, "held_out": 4 / 5}]
+    assert sorted(os.listdir(tmp_path / "d")) == ["drafter.json", "drafter.safetensors"]  # nothing written
+
+    code, out, err = run_main(draft_vocab.main, capsys, *common, "--size", "4", "--save-to", str(tmp_path / "small"))
+    assert code == 0, err
+    small, whole = load_drafter(str(tmp_path / "small")), load_drafter(str(tmp_path / "d"))
+    assert small.config == dcfg.replace(draft_vocab_size=4, draft_vocab=(2, 3, 5, 7))
+    assert small.metadata["steps"] == 7 and small.metadata["draft_vocab"]["held_out"] == 4 / 5
+    assert small.sts_temperatures == whole.sts_temperatures and small.storage_dtype == "bfloat16"
+    jax.tree.map(np.testing.assert_array_equal, small.params, whole.params)
+    assert run_main(draft_vocab.main, capsys, "--drafter", str(tmp_path / "small"), "--data", str(tmp_path / "train"),
+                    "--size", "0")[0] == 0
+    assert load_drafter(str(tmp_path / "small")).config == dcfg
+
+    assert_one_line_error(draft_vocab.main, capsys, "not below the target's 32", *common, "--size", "32")
+    assert_one_line_error(draft_vocab.main, capsys, "expected comma-separated integers", *common, "--sizes", "2,x")
+    assert_one_line_error(draft_vocab.main, capsys, "one of the arguments", *common)

@@ -236,10 +236,25 @@ def test_inexpressible_drafter_is_one_clear_error(changes, message, target, tmp_
     assert not out.exists() and [p for p in os.listdir(tmp_path) if p.startswith(".")] == []
 
 
-def test_draft_vocabulary_is_refused():
+def test_draft_vocabulary_is_refused_by_the_layout():
     dcfg = load_variant_cfg("dspark_markov")
     with pytest.raises(UserError, match="draft-to-target token map"):
         deepspec.check_exportable(dcfg.replace(vocab_size=128, mask_token_id=127))
+
+
+def test_a_draft_vocabulary_is_exported_as_the_whole_vocabulary(target, tmp_path, capsys):
+    """The layout has no d2t here: export writes the drafter over the whole vocabulary (same weights)
+    and says so in a note."""
+    _, dcfg, params, _ = our_drafter("dspark_markov", target, tmp_path)
+    save_drafter(str(tmp_path / "small"), dcfg.replace(draft_vocab_size=5, draft_vocab=(1, 4, 9, 16, 25)), params)
+    out = str(tmp_path / "out")
+    code, stdout, err = run_main(export.main, capsys, "--drafter", str(tmp_path / "small"), "--format", "deepspec",
+                                 "--out", out, "--target", TARGET_DIR, "--dtype", "float32")
+    assert code == 0, err
+    assert "5-token draft vocabulary is not exported" in stdout
+    back_cfg, back = deepspec.load_deepspec_drafter(out, target_cfg=target[0], target_params=target[1])
+    assert back_cfg.draft_vocab_size == 0 and deepspec._meaning(back_cfg) == deepspec._meaning(dcfg)
+    assert_same_params(params, back)
 
 
 def test_bad_command_lines(target, tmp_path, capsys):

@@ -193,6 +193,14 @@ def test_init_from_drafter_starts_from_its_weights(tmp_path):
     assert int(state.step) == 0
     trainer.close()
 
+    # a draft vocabulary given to it after training: the run adopts it
+    vocab = tuple(range(0, 64, 2))
+    save_drafter(str(tmp_path / "small"), source.dcfg.replace(draft_vocab_size=32, draft_vocab=vocab), trained)
+    trainer = Trainer(tiny_config(tmp_path, init_from_drafter=str(tmp_path / "small")), target, progress=False)
+    assert trainer.dcfg.draft_vocab == vocab
+    jax.tree.map(np.testing.assert_array_equal, params_of(trainer.init_state(seed=0)), trained)
+    trainer.close()
+
     other = tiny_config(tmp_path, init_from_drafter=str(tmp_path / "drafter"))
     other = dataclasses.replace(other, drafter={**other.drafter, "markov_rank": 4})
     with pytest.raises(UserError, match="markov_rank differs"):

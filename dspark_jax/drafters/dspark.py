@@ -43,8 +43,9 @@ Parameters are a dict pytree: {"fc", "hidden_norm", "layers" (decoder names, sta
 "markov": {"w1", "w2"}, "rnn": {"w", "b"}, "confidence": {"w", "b"}} (heads only when configured).
 The target's embedding and LM head are NOT drafter parameters; callers pass the frozen target
 params and its ModelConfig. Decoding reads them rearranged (`decoding_layout`: per-layer layers,
-"fc_t", "w2_t", "w_t", all stored [out, in]) and may add a "draft_head" (`with_draft_head`); every
-function here accepts either form.
+"fc_t", "w2_t", "w_t", all stored [out, in]) and may add a "draft_head" and, with a draft vocabulary,
+"draft_markov" (`with_draft_head`); every function here accepts either form. With a draft vocabulary
+`propose` drafts over its N tokens only and maps them to the target's ids (`draft_space_logits`).
 """
 
 from __future__ import annotations
@@ -256,16 +257,26 @@ def with_draft_head(dparams: dict, dcfg: DrafterConfig, target_params: dict, tar
     drafter's weight dtype, when decoding reads it faster than the target's head: the N rows of a
     draft vocabulary (streamed, not gathered every pass, which would cost more than it saves), or
     the whole head when the drafter's dtype is narrower than the target's (a bf16 drafter beside an
-    fp32 target streams half the bytes; its logits then come from the bf16-rounded head)."""
+    fp32 target streams half the bytes; its logits then come from the bf16-rounded head). With a
+    draft vocabulary also "draft_markov", the Markov projection's rows of its tokens, [N, r]."""
     dtype = _weight_dtype(dparams)
     if dcfg.draft_vocab_size:
         _check_draft_vocab(dcfg)
         head = jax.jit(draft_head, static_argnums=(1, 2))(target_params, target_cfg, dcfg)
+        if "markov" in dparams:  # the Markov table's output rows of the same tokens, [N, r]
+            dparams = {**dparams, "draft_markov": _markov_rows(dparams, dcfg)}
     else:
         head = _target_head(target_params, target_cfg)
         if jnp.dtype(head.dtype).itemsize <= jnp.dtype(dtype).itemsize:
             return dparams  # the target's own head is as cheap to read
     return {**dparams, "draft_head": head.astype(dtype)}
+
+
+def _markov_rows(dparams: dict, dcfg: DrafterConfig) -> jax.Array:
+    """The Markov projection's rows of the draft vocabulary, [N, r] (rows contiguous)."""
+    ids = jnp.asarray(dcfg.draft_vocab, jnp.int32)
+    markov = dparams["markov"]
+    return markov["w2_t"][ids] if "w2_t" in markov else jnp.take(markov["w2"], ids, axis=1).T
 
 
 def _check_draft_vocab(dcfg: DrafterConfig) -> None:
@@ -282,10 +293,29 @@ def base_logits(dparams: dict, dcfg: DrafterConfig, target_params: dict, target_
         if "draft_head" in dparams:
             return decoder.weight_einsum("...d,vd->...v", hidden, dparams["draft_head"], jnp.float32)
         return decoder.logits(target_params, target_cfg, hidden)
+    return to_target_vocab(dcfg, draft_space_logits(dparams, dcfg, target_params, target_cfg, hidden),
+                           target_cfg.vocab_size)
+
+
+def draft_space_logits(dparams: dict, dcfg: DrafterConfig, target_params: dict, target_cfg: ModelConfig,
+                       hidden: jax.Array) -> jax.Array:
+    """The base logits over the tokens the drafter can propose, fp32: [..., N] over its draft
+    vocabulary (token dcfg.draft_vocab[j] at j), or `base_logits` [..., V] without one. Decoding
+    drafts in this space: the LM head, the Markov bias, the sampling and the argmax all cost N / V
+    of the whole vocabulary's."""
+    if not dcfg.draft_vocab_size:
+        return base_logits(dparams, dcfg, target_params, target_cfg, hidden)
     _check_draft_vocab(dcfg)
     head = dparams["draft_head"] if "draft_head" in dparams else draft_head(target_params, target_cfg, dcfg)
-    scores = decoder.weight_einsum("...d,vd->...v", hidden, head, jnp.float32)
-    full = jnp.full(hidden.shape[:-1] + (target_cfg.vocab_size,), -jnp.inf, jnp.float32)
+    return decoder.weight_einsum("...d,vd->...v", hidden, head, jnp.float32)
+
+
+def to_target_vocab(dcfg: DrafterConfig, scores: jax.Array, vocab_size: int) -> jax.Array:
+    """[..., N] scores over the draft vocabulary -> [..., V] over the target's, -inf elsewhere
+    (probability exactly zero: rejection sampling against the target stays lossless)."""
+    if not dcfg.draft_vocab_size:
+        return scores
+    full = jnp.full(scores.shape[:-1] + (vocab_size,), -jnp.inf, scores.dtype)
     return full.at[..., jnp.asarray(dcfg.draft_vocab, jnp.int32)].set(scores)
 
 
@@ -315,9 +345,14 @@ def _head_step(dparams: dict, dcfg: DrafterConfig, state: jax.Array, prev: jax.A
     return gate * state + (1.0 - gate) * jnp.tanh(candidate), jnp.tanh(output)
 
 
-def _head_bias(dparams: dict, latent: jax.Array | None) -> jax.Array | float:
+def _head_bias(dparams: dict, latent: jax.Array | None, dcfg: DrafterConfig | None = None) -> jax.Array | float:
+    """The head's logit bias from its latent: over the whole vocabulary, or over the draft
+    vocabulary's rows (`draft_space_logits`'s space) when `dcfg` is given and has one."""
     if latent is None:
         return 0.0
+    if dcfg is not None and dcfg.draft_vocab_size:
+        rows = dparams["draft_markov"] if "draft_markov" in dparams else _markov_rows(dparams, dcfg)
+        return decoder.weight_einsum("...i,oi->...o", latent, rows, jnp.float32)
     markov = dparams["markov"]
     if "w2_t" in markov:  # the decoding layout (`decoding_layout`): [V, r], rows contiguous
         return decoder.weight_einsum("...i,oi->...o", latent, markov["w2_t"], jnp.float32)
@@ -512,14 +547,16 @@ def propose(dparams: dict, dcfg: DrafterConfig, target_params: dict, target_cfg:
     ctx_visible = (jnp.arange(cache.max_len) < cache.lengths[:, None])[:, None, :]  # keys < p
     hidden = _backbone(dparams, dcfg, target_params, block_tokens, block_positions,
                        lambda lp, layer: (cache.k[layer], cache.v[layer]), ctx_visible)[:, 0]
-    base = base_logits(dparams, dcfg, target_params, target_cfg, hidden)  # [B, g, V]
+    base = draft_space_logits(dparams, dcfg, target_params, target_cfg, hidden)  # [B, g, N or V]
+    ids = jnp.asarray(dcfg.draft_vocab, jnp.int32) if dcfg.draft_vocab_size else None
 
     def step(carry, xs):
         state, prev = carry
         base_k, h_k, key_k, forced_prev = xs
         state, latent = _head_step(dparams, dcfg, state, prev, h_k)
-        logits = base_k + _head_bias(dparams, latent)
+        logits = base_k + _head_bias(dparams, latent, dcfg)
         token = sample(key_k, logits, sampling)
+        token = token if ids is None else ids[token]  # ids ascending: ties go to the lower id either way
         conf = _confidence_logits(dparams, dcfg, h_k, prev) if dcfg.confidence else None
         next_prev = token if forced_prev is None else forced_prev
         return (state, next_prev), (token, processed_log_probs(logits, sampling), logits, conf)
@@ -529,5 +566,6 @@ def propose(dparams: dict, dcfg: DrafterConfig, target_params: dict, target_cfg:
     carry = (_initial_state(dparams, dcfg, (B,)), anchors)
     _, (tokens, log_probs, logits, conf) = jax.lax.scan(step, carry, xs, unroll=True)
     slots_second = lambda a: None if a is None else jnp.moveaxis(a, 0, 1)  # noqa: E731
-    return Proposal(tokens=slots_second(tokens), log_probs=slots_second(log_probs),
-                    logits=slots_second(logits), confidence_logits=slots_second(conf), hidden=hidden)
+    vocab = lambda a: to_target_vocab(dcfg, slots_second(a), target_cfg.vocab_size)  # noqa: E731
+    return Proposal(tokens=slots_second(tokens), log_probs=vocab(log_probs), logits=vocab(logits),
+                    confidence_logits=slots_second(conf), hidden=hidden)

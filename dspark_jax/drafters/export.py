@@ -23,7 +23,8 @@ def export_drafter(drafter_dir: str, out_dir: str, target: str | None = None, dt
     if dtype not in EXPORT_DTYPES:
         raise UserError(f"unsupported export dtype {dtype!r} (one of {', '.join(EXPORT_DTYPES)})")
     check_out_dir(out_dir, overwrite, source=drafter_dir)
-    check_exportable(read_drafter_config(drafter_dir))  # before any weights, the target's above all
+    draft_vocab_size = read_drafter_config(drafter_dir).draft_vocab_size
+    check_exportable(whole_vocabulary(read_drafter_config(drafter_dir)))  # before any weights, the target's above all
     spec = target or read_drafter_config(drafter_dir).target_name
     if not spec:
         raise UserError(f"{drafter_dir}: the drafter records no target; pass --target NAME_OR_PATH")
@@ -37,7 +38,7 @@ def export_drafter(drafter_dir: str, out_dir: str, target: str | None = None, dt
         tgt = registry.load_target(spec, layout="stacked")
         target_json, target_cfg, target_params, tokenizer = None, tgt.config, tgt.params, tgt.tokenizer
     drafter.config.check_target(target_cfg, name)
-    dcfg = drafter.config if drafter.config.target_name else drafter.config.replace(target_name=name)
+    dcfg = whole_vocabulary(drafter.config if drafter.config.target_name else drafter.config.replace(target_name=name))
     summary = save_deepspec_drafter(
         out_dir, dcfg, drafter.params, target_cfg, target_params, target_json=target_json, tokenizer=tokenizer,
         dtype=dtype, sts_temperatures=drafter.sts_temperatures, training=_training_values(drafter.metadata),
@@ -48,7 +49,18 @@ def export_drafter(drafter_dir: str, out_dir: str, target: str | None = None, dt
         f"the target {spec} is a GGUF file: the embedding / LM head copies are its (dequantised) weights "
         "and config.json is made from its shape; to serve, export against the Hugging Face folder of the "
         "target you serve (--target DIR)"]
+    if draft_vocab_size:
+        summary["notes"].append(
+            f"the drafter's {draft_vocab_size}-token draft vocabulary is not exported (no draft-to-target map, "
+            "d2t, is written): the folder drafts over the target's whole vocabulary, as SGLang's DSpark and "
+            "sglang-jax expect (docs/serving.md)")
     return summary
+
+
+def whole_vocabulary(dcfg):
+    """The drafter drafting over the target's whole vocabulary: what the export writes. The weights
+    are the same (a draft vocabulary is a choice of the target head's and the Markov table's rows)."""
+    return dcfg.replace(draft_vocab_size=0, draft_vocab=())
 
 
 def _training_values(metadata: dict) -> dict:

@@ -589,6 +589,14 @@ class Trainer:
 
         path = self.cfg.optim.init_from_drafter
         loaded = load_drafter(path, self.target.config, self.target.name)
+        if loaded.config.draft_vocab_size and not self.dcfg.draft_vocab_size:
+            # a draft vocabulary given after training (`python -m dspark_jax.draft_vocab`): the run
+            # trains the drafter for the vocabulary it decodes with, and keeps it
+            self.dcfg = self.dcfg.replace(draft_vocab_size=loaded.config.draft_vocab_size,
+                                          draft_vocab=loaded.config.draft_vocab)
+            if jax.process_index() == 0:
+                print(f"optim.init_from_drafter: training over its {loaded.config.draft_vocab_size}-token draft "
+                      "vocabulary", flush=True)
         differ = [f.name for f in dataclasses.fields(DrafterConfig)
                   if getattr(loaded.config, f.name) != getattr(self.dcfg, f.name)]
         if differ:
