@@ -2,7 +2,7 @@
 split into its parts, for each decoder layer layout, in one run.
 
     python benchmarks/bench_round.py [--layouts per_layer,stacked] [--dtypes float32,bfloat16] [--context 256]
-        [--cache 512] [--repeats 15] [--draft-vocab 16384]
+        [--cache 512] [--repeats 15] [--batch 1] [--draft-vocab 8192,16384]
 
 Rows (batch --batch, default 1, SmolLM2-135M with the shipped drafter in each --dtypes, medians of --repeats, compilation excluded):
 * `forward T=n`: the target's extend pass over n new tokens at --context committed tokens, LM head
@@ -15,7 +15,7 @@ Rows (batch --batch, default 1, SmolLM2-135M with the shipped drafter in each --
   in its decoding layout);
 * `verify + commit`: the verify pass over the anchor + gamma drafts, acceptance, cache commit;
 * `round`: a whole round as the engine runs it (host round trip included);
-* with --draft-vocab N: `draft` and `round` again with the shipped drafter given the N most frequent
+* with --draft-vocab N,...: `draft` and `round` again, per N, with the shipped drafter given the N most frequent
   response tokens of --data as its draft vocabulary (`python -m dspark_jax.draft_vocab`).
 The ratios below them: verify + commit over the target's pass with its outputs, the round over
 draft + verify, the round over a plain step (`forward T=1`), and `forward T=8 / forward T=1`.
@@ -47,7 +47,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import products_note, write_results  # noqa: E402
+from common import int_list, products_note, write_results  # noqa: E402
 
 
 def interleaved_ms(timers: dict, repeats: int) -> dict[str, float]:
@@ -258,8 +258,9 @@ def main() -> None:
     ap.add_argument("--long-context", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--batch", type=int, default=1, help="request rows decoded together (the same prompt in each)")
-    ap.add_argument("--draft-vocab", type=int, default=0,
-                    help="also time the draft and the round with an N-token draft vocabulary from --data")
+    ap.add_argument("--draft-vocab", type=int_list, default=[],
+                    help="comma-separated N: also time the draft and the round with an N-token draft vocabulary from --data "
+                         "(0: the whole vocabulary, whatever the shipped drafter has)")
     ap.add_argument("--data", default="datasets/smollm2-135m/train", help="the drafter's training data (--draft-vocab)")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     ap.add_argument("--name", default="round", help="results file name")
@@ -287,11 +288,11 @@ def main() -> None:
             target, loaded.config.tap_layers, loaded.config.block_size + 1, args.context, args.cache, B)
         profile = {} if args.profile else None
         timers.update(round_timers(target, drafter, args.context, args.repeats, B, profile=profile))
-        if args.draft_vocab:
-            small = with_draft_vocabulary(loaded, args.data, args.draft_vocab)
+        for n in args.draft_vocab:
+            small = with_draft_vocabulary(loaded, args.data, n)
             small = dataclasses.replace(small, params=small.decoding_params(target))
             timers.update({k: v for k, v in round_timers(target, small, args.context, args.repeats, B,
-                                                        label=f", {args.draft_vocab}-token draft vocabulary").items()
+                                                        label=f", {f'{n}-token draft' if n else 'whole'} vocabulary").items()
                            if not k.startswith("verify")})  # the verify pass is the same program
         row = {"layout": layout, "dtype": dtype, **interleaved_ms(timers, args.repeats)}
         for name, (num, den) in RATIOS.items():
