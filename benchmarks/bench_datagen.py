@@ -43,7 +43,7 @@ def main() -> None:
         os.environ["DSPARK_CPU_KERNELS"] = "0"  # read when the first program is traced
 
     from dspark_jax.checkpoints.registry import load_target
-    from dspark_jax.data.datagen import generate_dataset
+    from dspark_jax.training.datagen import generate_dataset
 
     rows = []
     for dtype in args.dtypes.split(","):

@@ -49,7 +49,7 @@ def parse_args(argv):
 
 def record(runner, prompts, temperature: float) -> list[list[tuple[float, float]]]:
     """Per prompt, its rounds' (tau, forecast)."""
-    from dspark_jax.engine.sampling import SamplingConfig
+    from dspark_jax.models.sampling import SamplingConfig
 
     out = []
     for i, prompt in enumerate(prompts):

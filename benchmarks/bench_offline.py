@@ -29,6 +29,7 @@ tokens, which is checked and reported. Writes <out>.md and <out>.json (command, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -77,9 +78,9 @@ def eval_prompts(tokenizer, count: int, max_prompt_tokens: int) -> list[list[int
 
 
 def decode_args(args, drafter: str, count: int):
-    """The `decode` flags of one engine, resolved as the CLI resolves them."""
+    """The `decode` settings of one engine, from its flags, resolved as the CLI resolves them."""
     from dspark_jax import decode
-    from dspark_jax.engine import offline
+    from dspark_jax.engine.decode_settings import resolve
 
     argv = ["--target", args.target, "--drafter", drafter, "--scheduler", args.scheduler, "--max-batch",
             str(args.max_batch), "--max-new-tokens", str(args.max_new_tokens), "--seed", str(args.seed), "--json",
@@ -88,9 +89,7 @@ def decode_args(args, drafter: str, count: int):
         argv += ["--gamma", str(args.gamma)]
     if args.profile_sps:
         argv.append("--profile-sps")
-    dargs = decode.parse_args(argv)
-    offline.resolve(dargs, count)
-    return dargs
+    return resolve(decode.parse_args(argv)[0], count)[0]
 
 
 def markdown(rows: list[dict], args, lossless: bool, prompt_lengths: list[int], slots: int) -> str:
@@ -125,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from dspark_jax.data.prompt_files import PromptRecord
     from dspark_jax.engine import offline
-    from dspark_jax.engine.sampling import SamplingConfig
+    from dspark_jax.models.sampling import SamplingConfig
 
     engines = {"plain": decode_args(args, "none", args.prompts)}
     if args.drafter != "none":
@@ -146,9 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         for rep in passes:
             turn = 0 if rep is None else rep % len(configs)
             for name, mode in configs[turn:] + configs[:turn]:
-                e = engines[name]
-                e.batching = "static" if mode == "static" else "continuous"
-                e.length_groups = mode == "continuous"
+                e = dataclasses.replace(engines[name], batching="static" if mode == "static" else "continuous",
+                                        length_groups=mode == "continuous")
                 bar.set_postfix_str(f"{name} {mode}" + (" (warm-up)" if rep is None else ""))
                 got = {}
                 totals = offline.run_engine(e, target, runners[name], requests, sampling, args.seed,

@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm.auto import tqdm
 
     from dspark_jax.drafters.checkpoint import load_drafter
-    from dspark_jax.engine.sampling import SamplingConfig
+    from dspark_jax.models.sampling import SamplingConfig
 
     target = common.load_benchmark_target(args)
     dcfg = load_drafter(args.drafter, target.config, target.name).config

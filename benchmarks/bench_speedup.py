@@ -91,7 +91,7 @@ def run_cell(target, runner, batches, temperature: float, args, bar, flip: int) 
     import numpy as np
 
     from dspark_jax.engine.generate import generate
-    from dspark_jax.engine.sampling import SamplingConfig
+    from dspark_jax.models.sampling import SamplingConfig
 
     sampling = SamplingConfig(temperature)
     stop_ids = target.tokenizer.eos_token_ids

@@ -19,24 +19,59 @@ from dspark_jax.engine.sps import machine  # noqa: F401  (results files record i
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
+def command_line() -> str:
+    """This process's command, as the results files record it."""
+    return "python " + " ".join(shlex.quote(a) for a in sys.argv)
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write `text` to `path` through a temporary file (<path>.<pid>.tmp), so that a kill never leaves
+    half a file."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def write_results(name: str, results: dict, markdown: str, directory: str = RESULTS_DIR) -> tuple[str, str]:
     """Write <directory>/<name>.json and <directory>/<name>.md with the command, machine and date."""
     os.makedirs(directory, exist_ok=True)
-    meta = {"command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+    meta = {"command": command_line(),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "machine": machine()}
     json_path = os.path.join(directory, f"{name}.json")
     md_path = os.path.join(directory, f"{name}.md")
-    with open(json_path + ".tmp", "w") as f:
-        json.dump({**meta, **results}, f, indent=1)
-    os.replace(json_path + ".tmp", json_path)
+    write_atomic(json_path, json.dumps({**meta, **results}, indent=1))
     m = meta["machine"]
     header = (f"Command: `{meta['command']}`  \nDate: {meta['date']}  \n"
               f"Machine: {m['cpu']}, {m['cores']} cores, JAX {m['jax']} ({m['jax_backend']}), malloc: {m['malloc']}\n\n")
-    with open(md_path + ".tmp", "w") as f:
-        f.write(header + markdown)
-    os.replace(md_path + ".tmp", md_path)
+    write_atomic(md_path, header + markdown)
     return json_path, md_path
+
+
+def jsonable(x):
+    """Plain JSON types (tuples to lists, numpy scalars to numbers, non-finite floats to None)."""
+    import math
+
+    import numpy as np
+
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if isinstance(x, (np.integer, np.bool_)):
+        return x.item()
+    if isinstance(x, (float, np.floating)):
+        x = float(x)
+        return x if math.isfinite(x) else None
+    if x is None or isinstance(x, (bool, int, str)):
+        return x
+    return str(x)
+
+
+def fmt(x, spec=".2f", none="-"):
+    """A table cell: `x` formatted, or `none` where there is no value."""
+    return none if x is None else format(x, spec)
 
 
 def products_note(xla_dot: bool) -> str:
@@ -114,20 +149,18 @@ SCHEDULERS = ("fixed", "mtp1", "threshold", "dspark", "dspark-async")  # `decode
 
 def speculative_runner(args, target, *, scheduler: str, batch_size: int, profile_sps: bool = False,
                        plain_steps: bool = False):
-    """The run of `python -m dspark_jax.decode --drafter ...` (dspark_jax.engine.offline.load_speculative):
+    """The run of `python -m dspark_jax.decode --drafter ...` (dspark_jax.engine.speculative_run):
     a function (prompt batch, SamplingConfig, seed) -> SpecResult. `args` supplies drafter, gamma,
     threshold and max_new_tokens; the dspark schedulers' SPS table is the one `decode` keeps for
     this batch size under .dspark_cache/ (profiled when missing or when `profile_sps`). scheduler
     "auto" is decode's default for this drafter and batch size; plain_steps as `decode --plain-steps on`."""
-    from dspark_jax.drafters.checkpoint import read_drafter_config
-    from dspark_jax.engine.offline import auto_scheduler, load_speculative
+    from dspark_jax.engine.decode_settings import DecodeSettings
+    from dspark_jax.engine.speculative_run import load_speculative
 
-    if scheduler == "auto":
-        scheduler = auto_scheduler(read_drafter_config(args.drafter), batch_size)
-    return load_speculative(argparse.Namespace(
-        drafter=args.drafter, scheduler=scheduler, gamma=args.gamma, threshold=args.threshold,
-        batch_size=batch_size, max_new_tokens=args.max_new_tokens, json=True, sps_table=None,
-        profile_sps=profile_sps, plain_steps=plain_steps), target)
+    return load_speculative(DecodeSettings(
+        drafter=args.drafter, scheduler=scheduler, gamma=args.gamma, threshold=args.threshold, max_batch=batch_size,
+        max_new_tokens=args.max_new_tokens, json=True, profile_sps=profile_sps,
+        plain_steps="on" if plain_steps else "off"), target)
 
 
 def share_compiled_programs() -> None:

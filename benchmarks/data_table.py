@@ -21,7 +21,7 @@ from common import write_results  # noqa: E402
 
 
 def datagen_folders(folder: str) -> list[str]:
-    from dspark_jax.data.datagen import MANIFEST
+    from dspark_jax.data.shards import MANIFEST
 
     if os.path.exists(os.path.join(folder, MANIFEST)):
         return [folder]
@@ -29,7 +29,7 @@ def datagen_folders(folder: str) -> list[str]:
 
 
 def describe(folder: str) -> dict:
-    from dspark_jax.data.datagen import read_manifest, read_shard
+    from dspark_jax.data.shards import read_manifest, read_shard
 
     m = read_manifest(folder)
     per_set: dict[str, dict] = {}
@@ -53,7 +53,7 @@ def describe(folder: str) -> dict:
 
 
 def describe_split(folder: str) -> str:
-    from dspark_jax.data.datagen import read_manifest
+    from dspark_jax.data.shards import read_manifest
 
     return read_manifest(folder)["split"]
 
@@ -64,7 +64,7 @@ def draft_vocab_coverage(train: list[str], held_out: list[str],
     tokens that the N most frequent train response tokens cover (`data.pipeline.draft_vocabulary`)."""
     if not train:
         return {}
-    from dspark_jax.data.datagen import read_manifest
+    from dspark_jax.data.shards import read_manifest
     from dspark_jax.data.pipeline import ShardSource, draft_vocabulary, vocabulary_coverage
 
     source = ShardSource(train)

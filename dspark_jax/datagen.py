@@ -3,7 +3,7 @@
     python -m dspark_jax.datagen --target smollm2-135m --sets gsm8k,humaneval,arena-hard-v2 \
         --split train --out data/smollm2-train [--limit N] [--max-new-tokens 512]
 
-The plan, the resumability and the output format are described in `dspark_jax.data.datagen`.
+The plan, the resumability and the output format are described in `dspark_jax.training.datagen`.
 With the multi-process flags (`dspark_jax.distributed.runtime`) several processes share the
 shards, each generating every N-th one; process 0 writes the manifest.
 """
@@ -14,7 +14,7 @@ import argparse
 import sys
 import time
 
-from dspark_jax.core.cli import POSITIVE_INT, ArgumentParser, flag, run_cli, setting_flag
+from dspark_jax.core.cli import POSITIVE_INT, ArgumentParser, add_settings, flag, run_cli, setting_flag, settings_from
 from dspark_jax.core.errors import UserError
 from dspark_jax.core import files
 from dspark_jax.distributed import gather, runtime
@@ -22,7 +22,7 @@ from dspark_jax.distributed import gather, runtime
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from dspark_jax.checkpoints.registry import DEFAULT_TARGET
-    from dspark_jax.engine.sampling import SamplingConfig
+    from dspark_jax.models.sampling import SamplingConfig
 
     p = ArgumentParser(prog="python -m dspark_jax.datagen",
                        description="Regenerate training responses with the target model.")
@@ -46,15 +46,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="weights' dtype; bfloat16 keeps fp32 activations on a CPU and is much faster "
                         "for verify passes and batches on CPUs with AMX or AVX512-BF16 (docs/results.md section 9)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    runtime.add_distributed_flags(p)
+    add_settings(p, runtime.ProcessSettings)
     return p.parse_args(argv)
 
 
 @run_cli
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    runtime.initialize(args)  # before anything touches devices
-    from dspark_jax.data import datagen
+    runtime.initialize(settings_from(runtime.ProcessSettings, args))  # before anything touches devices
+    from dspark_jax.data.shards import read_manifest
+    from dspark_jax.training import datagen
     from dspark_jax.data.splits import SPLITS, parse_sets
 
     files.path(args.out)  # an unusable URL (scheme, no gcsfs) fails here, before the target loads
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
     target = load_target(args.target, dtype=args.dtype)
     try:
-        before = datagen.read_manifest(args.out)["response_tokens"] if gather.is_primary() else 0
+        before = read_manifest(args.out)["response_tokens"] if gather.is_primary() else 0
     except UserError:  # a new folder (a foreign one is refused below)
         before = 0
     t0 = time.perf_counter()

@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dspark_jax.core.cli import ArgumentParser, run_cli
-from dspark_jax.core.errors import UserError
+from dspark_jax.core.cli import ArgumentParser, add_settings, run_cli, settings_from
 from dspark_jax.serving import runs
+from dspark_jax.serving.settings import CurveSettings, RecordSettings, RunSettings, StatsSettings, ValidateSettings
 
 COMMANDS = ("run", "record", "validate")
-DEFAULT_CONCURRENCY = ",".join(map(str, runs.DEFAULT_CONCURRENCY))
 
 
 def _ints(text: str) -> list[int]:
@@ -48,112 +47,60 @@ def _floats(text: str) -> list[float]:
     return out
 
 
-def _add_stats(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("drafter statistics (one of)")
-    g.add_argument("--rounds-file", help="round records from `simulate record` (resampled)")
-    g.add_argument("--eval-stats", help="eval.json of `python -m dspark_jax.eval` (synthetic rounds)")
-    g.add_argument("--acceptance-rates", type=_floats,
-                   help="what-if: per-position conditional acceptance rates, comma-separated (Beta confidences)")
-    g.add_argument("--eval-drafter", default=None, help="drafter label inside eval.json (default: the first)")
-    g.add_argument("--eval-group", default="overall", help="overall, domain:NAME or bench:NAME")
-    g.add_argument("--eval-model", default="reliability", choices=["reliability", "beta"],
-                   help="synthetic model for eval.json: reliability diagrams + copula, or Beta confidences")
-    g.add_argument("--kappa", type=float, default=None,
-                   help="Beta concentration of the confidences (beta model; default: fitted to eval's threshold "
-                        "sweep, 2.0 for --acceptance-rates)")
-    g.add_argument("--pool-size", type=int, default=20000, help="synthetic rounds to draw")
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
-def _add_hardware(p: argparse.ArgumentParser) -> None:
-    from dspark_jax.serving.hardware import ACCELERATORS, TARGETS
-
-    g = p.add_argument_group("hardware curve (default: roofline)")
-    g.add_argument("--sps-table", action="append", default=[],
-                   help="measured SPS table JSON (sps.py format), one per concurrency; repeatable")
-    g.add_argument("--bench-curve", help="round times reconstructed from a bench_serving JSON")
-    g.add_argument("--accelerator", default="h200", choices=list(ACCELERATORS))
-    g.add_argument("--target", default="qwen3-8b", choices=list(TARGETS))
-    g.add_argument("--target-config", help="Hugging Face config.json of the target (instead of --target)")
-    g.add_argument("--kv-len", type=int, default=1024, help="mean context length per request (tokens)")
-    g.add_argument("--chips", type=int, default=1, help="chips (ideal tensor parallelism, no communication cost)")
-    g.add_argument("--verify-overhead-ms", type=float, default=0.5, help="fixed cost per target pass (assumed)")
-    g.add_argument("--draft-overhead-ms", type=float, default=0.5, help="fixed cost per drafter pass (assumed)")
-    g.add_argument("--bandwidth-efficiency", type=float, default=1.0)
-    g.add_argument("--flops-efficiency", type=float, default=1.0)
-    g.add_argument("--drafter-layers", type=int, default=5)
-    g.add_argument("--markov-rank", type=int, default=256)
-    g.add_argument("--taps", type=int, default=5)
-    g.add_argument("--buckets", default="pow2", help="verify token buckets: pow2 (the engine's) or step:N")
+def _comma_list(parse) -> dict:  # a tuple field set by one comma-separated flag
+    return {"type": parse, "action": "store"}
 
 
-def parse_args(argv: list[str]) -> tuple[str, argparse.Namespace]:
+def parse_args(argv: list[str]):
+    """(the command, its settings) from the command line."""
     cmd = argv[0] if argv and argv[0] in COMMANDS else "run"
     rest = argv[1:] if argv and argv[0] in COMMANDS else argv
     prog = f"python -m dspark_jax.simulate {cmd}"
     p = ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     if cmd == "record":
-        p.add_argument("--drafter", default="default", help="drafter folder ('default' = the shipped one)")
-        p.add_argument("--target", default="smollm2-135m")
-        p.add_argument("--prompts", type=int, default=64, help="bench_serving prompts to decode (its first N)")
-        p.add_argument("--max-new-tokens", type=int, default=48)
-        p.add_argument("--max-prompt-tokens", type=int, default=128)
-        p.add_argument("--temperature", type=float, default=0.0)
-        p.add_argument("--batch-size", type=int, default=16)
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--out", required=True, help="round-records JSON to write")
-        args = p.parse_args(rest)
-        if args.prompts < 1 or args.max_new_tokens < 2 or args.batch_size < 1 or args.temperature < 0:
-            raise UserError("need --prompts >= 1, --max-new-tokens >= 2, --batch-size >= 1, --temperature >= 0")
-        return cmd, args
-    _add_stats(p)
-    p.add_argument("--seed", type=int, default=0)
+        add_settings(p, RecordSettings, out={"required": True})
+        return cmd, settings_from(RecordSettings, p.parse_args(rest))
+    add_settings(p.add_argument_group("drafter statistics (one of)"), StatsSettings,
+                  acceptance_rates=_comma_list(_floats))
     if cmd == "validate":
-        p.add_argument("--bench", required=True, help="bench_serving results JSON to compare with")
-        p.add_argument("--sps-table", action="append", default=[],
-                       help="SPS tables profiled on the benchmark's machine (default: round times from the bench JSON)")
-        p.add_argument("--episodes", type=int, default=200, help="simulated bench-length runs per cell")
-        p.add_argument("--timing-noise", type=float, default=None, help="relative timing noise of a cell (0.10)")
-        p.add_argument("--out", default="benchmarks/results/simulate_validation.md")
+        add_settings(p, ValidateSettings, bench={"required": True})
         args = p.parse_args(rest)
-        if args.episodes < 2:
-            raise UserError("--episodes must be >= 2")
-        return cmd, args
-    _add_hardware(p)
-    p.add_argument("--concurrency", type=_ints, default=None,
-                   help=f"comma-separated (default {DEFAULT_CONCURRENCY}; a measured curve: its own)")
-    p.add_argument("--policies", default="fixed,mtp1,threshold,dspark,dspark-async")
-    p.add_argument("--threshold", type=float, default=0.5)
-    p.add_argument("--gamma", type=int, default=None, help="draft tokens per round (default: the statistics')")
-    p.add_argument("--slot-rounds", type=int, default=32768, help="slot-rounds simulated per concurrency")
-    p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--request-rounds", type=int, default=24, help="rounds a slot serves one request (refill period)")
-    p.add_argument("--label", default="", help="suffix for plot titles")
-    p.add_argument("--out", default="benchmarks/results/simulate.md", help="results .md (.json and .png beside it)")
-    p.add_argument("--quiet", action="store_true")
-    return cmd, p.parse_args(rest)
+        return cmd, settings_from(ValidateSettings, args, stats=settings_from(StatsSettings, args))
+    from dspark_jax.serving.hardware import ACCELERATORS, TARGETS
+
+    add_settings(p.add_argument_group("hardware curve (default: roofline)"), CurveSettings,
+                  accelerator={"choices": list(ACCELERATORS)}, target={"choices": list(TARGETS)})
+    add_settings(p, RunSettings, concurrency=_comma_list(_ints), policies=_comma_list(_names))
+    args = p.parse_args(rest)
+    return cmd, settings_from(RunSettings, args, stats=settings_from(StatsSettings, args),
+                              curve=settings_from(CurveSettings, args))
 
 
-def cmd_run(args, argv) -> int:
+def cmd_run(settings: RunSettings, argv) -> int:
     def progress(c, rows):
-        if not args.quiet:
+        if not settings.quiet:
             print(f"C={c:<5d} " + "  ".join(f"{r['policy']} {r['aggregate_tokens_per_s']:.1f} tok/s "
                                            f"(tau {r['tau']:.2f}, budget {r['verify_budget']:.2f})" for r in rows),
                   flush=True)
 
-    for path in runs.run_simulation(args, argv, progress):
+    for path in runs.run_simulation(settings, argv, progress):
         print("wrote", path)
     return 0
 
 
-def cmd_record(args, argv) -> int:
-    rec = runs.record(args, argv)
+def cmd_record(settings: RecordSettings, argv) -> int:
+    rec = runs.record(settings, argv)
     print(f"recorded {rec['rounds']} rounds of {rec['prompts']} requests (full-length tau {rec['full_tau']:.3f}); "
-          f"wrote {args.out}")
+          f"wrote {settings.out}")
     return 0
 
 
-def cmd_validate(args, argv) -> int:
-    results, paths = runs.validate_bench(args, argv)
+def cmd_validate(settings: ValidateSettings, argv) -> int:
+    results, paths = runs.validate_bench(settings, argv)
     for res in results:
         print(f"{res['pool']['source'].get('kind')}: " + ", ".join(
             f"{c['scheduler']} C={c['concurrency']} {c['measured_aggregate_tokens_per_s']:.1f} vs "
@@ -166,8 +113,8 @@ def cmd_validate(args, argv) -> int:
 @run_cli
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    cmd, args = parse_args(argv)
-    return {"run": cmd_run, "record": cmd_record, "validate": cmd_validate}[cmd](args, argv)
+    cmd, settings = parse_args(argv)
+    return {"run": cmd_run, "record": cmd_record, "validate": cmd_validate}[cmd](settings, argv)
 
 
 if __name__ == "__main__":

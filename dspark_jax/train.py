@@ -20,7 +20,7 @@ import os
 import sys
 
 from dspark_jax.core import files
-from dspark_jax.core.cli import ArgumentParser, flag, run_cli
+from dspark_jax.core.cli import ArgumentParser, add_settings, flag, run_cli, settings_from
 from dspark_jax.distributed import gather, runtime
 
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                            "that slice, from shapes alone, and print its memory per chip (needs libtpu: pip install "
                            "'jax[tpu]'; nothing runs on a TPU)")
     plan.add_argument("--json", action="store_true", help="the plan as JSON")
-    runtime.add_distributed_flags(p)
+    add_settings(p, runtime.ProcessSettings)
     args = p.parse_args(argv)
     if args.allow_schedule_change and not args.resume:
         p.error("--allow-schedule-change only applies with --resume")
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                                        mfu=args.mfu or training_plan.DEFAULT_MFU, compile=args.compile)
         print(json.dumps(found, indent=1) if args.json else training_plan.format_plan(found))
         return 0
-    runtime.initialize(args)  # before anything touches devices
+    runtime.initialize(settings_from(runtime.ProcessSettings, args))  # before anything touches devices
     from dspark_jax.checkpoints.registry import load_target
     from dspark_jax.training.trainer import Trainer, check_run_folder
 

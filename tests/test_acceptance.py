@@ -18,7 +18,7 @@ import pytest
 from stats_helpers import assert_drawn_from
 
 from dspark_jax.engine.acceptance import verify_greedy, verify_sampled
-from dspark_jax.engine.sampling import SamplingConfig, processed_log_probs
+from dspark_jax.models.sampling import SamplingConfig, processed_log_probs
 
 G = 3  # draft tokens per round in the sampled tests
 PER_GROUP = 100_000  # samples per num_draft value (rows are split evenly over num_draft = 0..G)

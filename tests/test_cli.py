@@ -192,7 +192,7 @@ def test_confidence_schedulers_from_the_cli(capsys, tiny_target_folder, tiny_dra
 
 
 def test_auto_scheduler():
-    from dspark_jax.engine.offline import auto_scheduler
+    from dspark_jax.engine.decode_settings import auto_scheduler
     from dspark_jax.drafters.config import DrafterConfig
 
     shape = dict(kind="dspark", num_layers=1, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,

@@ -19,7 +19,7 @@ from dspark_jax.core import config_checks
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.engine.speculative import SpecConfig
 from dspark_jax.core.errors import UserError
-from dspark_jax.engine.sampling import SamplingConfig
+from dspark_jax.models.sampling import SamplingConfig
 from dspark_jax.training.config import (
     DataConfig,
     OptimConfig,

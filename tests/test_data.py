@@ -12,7 +12,8 @@ import pytest
 
 from dspark_jax.checkpoints.registry import Target
 from dspark_jax import datagen as datagen_cli
-from dspark_jax.data import datagen, splits
+from dspark_jax.data import shards, splits
+from dspark_jax.training import datagen
 from dspark_jax.data.pipeline import (PackingConfig, ShardSource, block_labels, make_dataset, target_features)
 from dspark_jax.core import files
 from dspark_jax.core.errors import UserError
@@ -55,7 +56,7 @@ def test_split_is_fixed_disjoint_and_hash_based():
 
 def test_shard_round_trip(tmp_path):
     path = str(tmp_path / "shard-00000.npz")
-    entry = datagen.write_shard(path, [[5, 6, 7], [8]], [[9, 2], [10, 11, 65535]], ["a/1", "b/2"], [True, False])
+    entry = shards.write_shard(path, [[5, 6, 7], [8]], [[9, 2], [10, 11, 65535]], ["a/1", "b/2"], [True, False])
     blob = open(path, "rb").read()
     assert entry == dict(file="shard-00000.npz", num_examples=2, num_tokens=9, response_tokens=5,
                          sha256=hashlib.sha256(blob).hexdigest())
@@ -64,7 +65,7 @@ def test_shard_round_trip(tmp_path):
         assert z["tokens"].dtype == np.uint16 and z["offsets"].tolist() == [0, 5, 9]
     with zipfile.ZipFile(path) as z:
         assert {i.compress_type for i in z.infolist()} == {zipfile.ZIP_DEFLATED}
-    data = datagen.read_shard(path, entry["sha256"])
+    data = shards.read_shard(path, entry["sha256"])
     assert data["tokens"].dtype == np.int32 and data["tokens"].tolist() == [5, 6, 7, 9, 2, 8, 10, 11, 65535]
     assert data["prompt_lens"].tolist() == [3, 1] and data["finished"].tolist() == [True, False]
     assert data["example_ids"].tolist() == ["a/1", "b/2"]
@@ -73,21 +74,21 @@ def test_shard_round_trip(tmp_path):
 def test_shards_are_compact_reproducible_and_hash_checked(tmp_path):
     a, b = str(tmp_path / "a.npz"), str(tmp_path / "b.npz")
     rows = [list(range(k, k + 300)) for k in range(20)]
-    entry = datagen.write_shard(a, rows, rows, [f"s/{k}" for k in range(20)], [True] * 20)
-    assert datagen.write_shard(b, rows, rows, [f"s/{k}" for k in range(20)], [True] * 20)["sha256"] == entry["sha256"]
+    entry = shards.write_shard(a, rows, rows, [f"s/{k}" for k in range(20)], [True] * 20)
+    assert shards.write_shard(b, rows, rows, [f"s/{k}" for k in range(20)], [True] * 20)["sha256"] == entry["sha256"]
     assert os.path.getsize(a) < 2 * 12_000  # 12,000 tokens: under two bytes a token
     big = str(tmp_path / "big.npz")  # an id past uint16 keeps int32, read back the same
-    datagen.write_shard(big, [[70_000]], [[1]], ["s/x"], [False])
+    shards.write_shard(big, [[70_000]], [[1]], ["s/x"], [False])
     with np.load(big, allow_pickle=False) as z:
         assert z["tokens"].dtype == np.int32
-    assert datagen.read_shard(big)["tokens"].tolist() == [70_000, 1]
+    assert shards.read_shard(big)["tokens"].tolist() == [70_000, 1]
     with open(a, "r+b") as f:  # one byte changed: the manifest's hash refuses it
         f.seek(100)
         byte = f.read(1)
         f.seek(100)
         f.write(bytes([byte[0] ^ 1]))
     with pytest.raises(UserError, match="sha256 is not the manifest's"):
-        datagen.read_shard(a, entry["sha256"])
+        shards.read_shard(a, entry["sha256"])
 
 
 def test_atomic_write_json_syncs_before_the_rename(tmp_path, monkeypatch):
@@ -134,8 +135,8 @@ GEN = dict(limit=3, max_new_tokens=6, temperature=0.7, top_k=20, top_p=0.9, batc
 
 
 def shard_arrays(folder):
-    m = datagen.read_manifest(folder)
-    return [{k: v.tolist() for k, v in datagen.read_shard(os.path.join(folder, s["file"])).items()}
+    m = shards.read_manifest(folder)
+    return [{k: v.tolist() for k, v in shards.read_shard(os.path.join(folder, s["file"])).items()}
             for s in m["shards"]]
 
 
@@ -225,7 +226,7 @@ def test_cli_on_tiny_hf_target(capsys, tmp_path, tiny_target_folder):
     argv = ["--target", tiny_target_folder, "--sets", "mbpp,humaneval", "--split", "eval", "--limit", "2",
             "--max-new-tokens", "4", "--max-prompt-tokens", "200", "--batch-size", "3", "--out", out, "--quiet"]
     assert datagen_cli.main(argv) == 0, capsys.readouterr().err
-    m = datagen.read_manifest(out)
+    m = shards.read_manifest(out)
     assert m["complete"] and m["num_examples"] == 4 and m["sets"] == ["humaneval", "mbpp"]
     assert m["sampling"] == dict(temperature=0.7, top_k=20, top_p=0.8) and m["split"] == "eval"
     argv[3] = "humaneval,mbpp"
@@ -239,7 +240,7 @@ def test_cli_on_tiny_hf_target(capsys, tmp_path, tiny_target_folder):
     math = str(tmp_path / "math")
     assert datagen_cli.main(["--target", tiny_target_folder, "--sets", "math", "--split", "train", "--limit", "1",
                              "--max-new-tokens", "2", "--max-prompt-tokens", "200", "--out", math, "--quiet"]) == 0
-    assert datagen.read_manifest(math)["sets"] == ["gsm8k", "math500"]
+    assert shards.read_manifest(math)["sets"] == ["gsm8k", "math500"]
 
 
 # ---------------------------------------------------------------------------- pipeline
@@ -251,12 +252,12 @@ def write_fake_dataset(folder, examples, target="tiny"):
     entries = []
     half = (len(examples) + 1) // 2
     for i, chunk in enumerate([examples[:half], examples[half:]]):
-        entries.append(datagen.write_shard(os.path.join(folder, datagen.shard_name(i)), [p for p, _ in chunk],
+        entries.append(shards.write_shard(os.path.join(folder, shards.shard_name(i)), [p for p, _ in chunk],
                                            [r for _, r in chunk], [f"fake/{i}-{k}" for k in range(len(chunk))],
                                            [False] * len(chunk)))
-    manifest = dict(format=datagen.FORMAT, target=target, target_shape=dict(vocab_size=64, hidden_size=32,
+    manifest = dict(format=shards.FORMAT, target=target, target_shape=dict(vocab_size=64, hidden_size=32,
                                                                              num_layers=3), shards=entries)
-    with open(os.path.join(folder, datagen.MANIFEST), "w") as f:
+    with open(os.path.join(folder, shards.MANIFEST), "w") as f:
         json.dump(manifest, f)
 
 

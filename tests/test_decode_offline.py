@@ -15,6 +15,8 @@ from test_cli import tiny_drafter  # noqa: F401  (a fixture)
 
 from dspark_jax import decode
 from dspark_jax.engine import offline
+from dspark_jax.core.errors import UserError
+from dspark_jax.engine.decode_settings import DecodeSettings
 
 WORDS = [f"w{i}" for i in range(3, 120)]
 
@@ -75,7 +77,6 @@ def read_results(path):
 @pytest.fixture(scope="module")
 def reference(tiny_target_folder, prompts_file):
     """Plain greedy decoding (`generate`) of every prompt on its own: the output to match."""
-    import argparse
 
     from dspark_jax.checkpoints.registry import load_target
     from dspark_jax.data.prompt_files import read_prompt_records
@@ -83,7 +84,7 @@ def reference(tiny_target_folder, prompts_file):
 
     target = load_target(tiny_target_folder)
     requests = [offline.Request(i, r, offline.prompt_sha256(r)) for i, r in enumerate(read_prompt_records(prompts_file))]
-    offline.tokenize(argparse.Namespace(raw=False, max_new_tokens=10), target, requests)
+    offline.tokenize(DecodeSettings(max_new_tokens=10), target, requests)
     return {r.index: generate(target.params, target.config, [r.ids], max_new_tokens=10,
                               stop_ids=target.tokenizer.eos_token_ids).token_ids[0] for r in requests}
 
@@ -362,3 +363,18 @@ def test_requests_use_the_calibration_of_their_temperature(capsys, tiny_target_f
         seen.clear()
         decode_json(capsys, *args, "--temperature", temperature)
         assert seen and set(seen) == {expected}
+
+
+def test_the_flags_build_the_decode_settings():
+    """Every flag sets its DecodeSettings field (type, default, choices from the field): no flags give
+    the defaults; flags give the value the library takes (the old --batch-size is --max-batch)."""
+    settings, processes = decode.parse_args([])
+    assert settings == DecodeSettings() and not processes.distributed
+    settings, _ = decode.parse_args(["--prompt", "a", "--prompt", "b", "--batch-size", "3", "--no-length-groups",
+                                     "--plain-steps", "off", "--no-compare-ar", "--top-p", "0.5", "--raw"])
+    assert settings == DecodeSettings(prompt=("a", "b"), max_batch=3, length_groups=False, plain_steps="off",
+                                      compare_ar=False, top_p=0.5, raw=True)
+    with pytest.raises(UserError, match="--top-p"):
+        decode.parse_args(["--top-p", "0"])
+    with pytest.raises(UserError, match="old name of --max-batch"):
+        decode.parse_args(["--max-batch", "2", "--batch-size", "3"])

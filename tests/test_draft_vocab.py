@@ -14,7 +14,7 @@ from dspark_jax.core.config_checks import ConfigError
 from dspark_jax.drafters import dspark
 from dspark_jax.drafters.checkpoint import load_drafter, save_drafter
 from dspark_jax.engine.generate import generate
-from dspark_jax.engine.sampling import SamplingConfig
+from dspark_jax.models.sampling import SamplingConfig
 from dspark_jax.engine.speculative import SpecConfig, speculative_generate
 from dspark_jax.training.losses import LossWeights, dspark_loss
 

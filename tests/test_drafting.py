@@ -13,7 +13,7 @@ from dspark_jax.drafters.eagle3 import init_eagle3_params
 from dspark_jax.engine import drafting
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.engine.sampling import SamplingConfig
+from dspark_jax.models.sampling import SamplingConfig
 
 TCFG = ModelConfig(family="qwen3", vocab_size=48, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
                    head_dim=8, intermediate_size=48, max_position_embeddings=128, qk_norm=True)

@@ -15,7 +15,7 @@ from dspark_jax.drafters import dspark
 from dspark_jax.drafters.deepspec import load_deepspec_drafter
 from dspark_jax.core.errors import UserError
 from dspark_jax.models import decoder
-from dspark_jax.engine.sampling import SamplingConfig
+from dspark_jax.models.sampling import SamplingConfig
 from stats_helpers import P_MIN, reference_probs, stratified_chi_square_pvalue
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "deepspec")

@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 from dspark_jax.checkpoints.hf import load_hf_model
 from dspark_jax.drafters import eagle3
 from dspark_jax.core.errors import UserError
-from dspark_jax.engine.sampling import SamplingConfig
+from dspark_jax.models.sampling import SamplingConfig
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "deepspec")
 STEPS = 3  # the fixture's ttt_length

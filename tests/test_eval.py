@@ -81,13 +81,14 @@ def evaluated(setup, tiny_target_folder):
 
 
 def test_builtin_sets_use_the_eval_split_and_domains(setup):
-    args = eval_cli.parse_args(["--drafters", "x", "--out", "o", "--sets", "chat,gsm8k", "--limit", "5",
-                                "--bench", f"mine={setup['m2']}"])
-    benches = benchmark.load_benches(args)  # domain order: math, code, chat, other
+    settings, _ = eval_cli.parse_args(["--drafters", "x", "--out", "o", "--sets", "chat,gsm8k", "--limit", "5",
+                                       "--bench", f"mine={setup['m2']}"])
+    benches = benchmark.load_benches(settings)  # domain order: math, code, chat, other
     assert [(b.name, b.domain) for b in benches] == [("gsm8k", "math"), ("arena-hard-v2", "chat"), ("mine", "other")]
     assert benches[0].prompts == get_split("gsm8k", "eval")[:5] and benches[2].prompts == BENCHES["m2"]
-    args = eval_cli.parse_args(["--drafters", "x", "--out", "o", "--limit", "1"])
-    assert [b.name for b in benchmark.load_benches(args)] == ["gsm8k", "math500", "humaneval", "mbpp", "arena-hard-v2"]
+    settings = benchmark.EvalSettings(drafters="x", out="o", limit=1)  # what the flags' defaults build
+    assert eval_cli.parse_args(["--drafters", "x", "--out", "o", "--limit", "1"])[0] == settings
+    assert [b.name for b in benchmark.load_benches(settings)] == ["gsm8k", "math500", "humaneval", "mbpp", "arena-hard-v2"]
 
 
 def test_report_structure_and_labels(evaluated):
@@ -153,7 +154,7 @@ def engine_rounds(target_folder, drafter_path, prompts):
     from dspark_jax.checkpoints.registry import load_target
     from dspark_jax.drafters.checkpoint import load_drafter
     from dspark_jax.engine.speculative import SpecConfig, speculative_generate
-    from dspark_jax.engine.sampling import SamplingConfig
+    from dspark_jax.models.sampling import SamplingConfig
 
     target, loaded = load_target(target_folder), load_drafter(drafter_path)
     dparams = jax.tree.map(jnp.asarray, loaded.params)

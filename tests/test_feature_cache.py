@@ -17,7 +17,7 @@ import pytest
 from test_data import fake_examples, write_fake_dataset
 from test_training import TARGET_CFG, params_of, tiny_config, tiny_target
 
-from dspark_jax.data import datagen, feature_cache, pipeline
+from dspark_jax.data import feature_cache, pipeline, shards
 from dspark_jax.data.pipeline import PackingConfig, ShardSource, make_dataset, target_features
 from dspark_jax.core import files
 from dspark_jax.core.errors import UserError
@@ -250,7 +250,7 @@ def test_a_stale_cache_is_refused(tmp_path):
 def test_regenerated_data_of_the_same_lengths_is_refused(tmp_path):
     cfg = cached_config(tmp_path)
     Trainer(cfg, tiny_target(), progress=False).close()
-    manifest = datagen.read_manifest(cfg.data.train_dir)
+    manifest = shards.read_manifest(cfg.data.train_dir)
     shard = os.path.join(cfg.data.train_dir, manifest["shards"][0]["file"])
     with np.load(shard) as z:
         data = dict(z)
@@ -259,7 +259,7 @@ def test_regenerated_data_of_the_same_lengths_is_refused(tmp_path):
     # A regeneration writes its own manifest: the same counts, the new shard's hash (which the
     # shard reader checks), so only the cache's content fingerprint can tell the data apart.
     manifest["shards"][0]["sha256"] = hashlib.sha256(open(shard, "rb").read()).hexdigest()
-    files.atomic_write_json(os.path.join(cfg.data.train_dir, datagen.MANIFEST), manifest)
+    files.atomic_write_json(os.path.join(cfg.data.train_dir, shards.MANIFEST), manifest)
     with pytest.raises(UserError, match="data content differs: the same .* tokens in 1 shards .* other tokens"):
         Trainer(cfg, tiny_target(), progress=False)
     meta_path = os.path.join(cfg.data.feature_cache, "cache.json")

@@ -277,7 +277,7 @@ def test_dspark_drafter_trains_on_gemma3_270m_and_decodes_losslessly(gemma_pair,
     import json
     import os
 
-    from dspark_jax.data.datagen import FORMAT, MANIFEST, write_shard
+    from dspark_jax.data.shards import FORMAT, MANIFEST, write_shard
     from dspark_jax.engine.speculative import SpecConfig, speculative_generate
     from dspark_jax.engine.generate import generate
     from dspark_jax.training.config import DataConfig, OptimConfig, RunConfig, TrainConfig

@@ -9,7 +9,7 @@ from dspark_jax.core.errors import UserError
 from dspark_jax.engine.generate import generate
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.engine.sampling import SamplingConfig, processed_log_probs
+from dspark_jax.models.sampling import SamplingConfig, processed_log_probs
 
 CFG = ModelConfig(family="llama", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, intermediate_size=48, max_position_embeddings=96, tie_word_embeddings=True)
@@ -128,7 +128,7 @@ def test_sampled_rows_depend_on_their_own_key_alone(sampling):
 def test_a_tie_in_one_row_leaves_the_other_rows_draws_alone():
     """Top-k draws among the k candidates, and over the vocabulary only in a row whose cutoff tie
     keeps more than k tokens; the other rows keep their candidate draws."""
-    from dspark_jax.engine.sampling import sample
+    from dspark_jax.models.sampling import sample
 
     cfg = SamplingConfig(1.0, top_k=2)
     sample_jit = jax.jit(lambda keys, logits: sample(keys, logits, cfg))  # 80 draws: one compile, not op by op

@@ -1,5 +1,6 @@
 """The package layout: the top level holds the `python -m dspark_jax.<command>` entry points only,
-each thin and cheap to import, every concern has its room, and no module imports itself back."""
+each thin and cheap to import, every concern has its room, the rooms stand in one order and every
+import points down it (docs/DESIGN.md section 6), and no module imports itself back."""
 
 import ast
 import os
@@ -14,6 +15,18 @@ import dspark_jax
 PACKAGE = os.path.dirname(dspark_jax.__file__)
 ROOT = os.path.dirname(PACKAGE)
 ENTRY_POINT_MAX_LINES = 200  # parse, call, print: anything longer has library logic in it
+# The rooms, lowest first: a module may import its own room and the levels below its own, never a
+# level above nor another room of its level (the entry points, above them all, import any room).
+ROOM_LEVELS = (
+    ("core",),  # errors, files, config checks, the command line's shared flags, the platform
+    ("models",),  # the decoder, its kernels, sampling
+    ("checkpoints", "distributed"),  # loading targets; meshes, shardings, processes
+    ("drafters", "data"),  # drafter models and checkpoints; prompt sets, shards, the training pipeline
+    ("engine",),  # plain and speculative decoding, schedulers, the offline runner
+    ("evaluation",),  # eval, calibration (STS), reports and plots
+    ("serving",),  # what-if serving simulation, hardware rooflines, TPU compile checks
+    ("training",),  # datagen (a client of the engine), the trainer, its plan
+)
 
 
 def modules() -> dict[str, str]:
@@ -116,3 +129,71 @@ def test_importing_a_command_is_cheap(command):
             f"'orbax') if m in sys.modules]; print(','.join(heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "", f"importing dspark_jax.{command} loads {out}"
+
+
+def upward_imports(graph: dict[str, set[str]], levels=ROOM_LEVELS) -> list[str]:
+    """Every import from a room into another room at its own level or above ("a -> b" lines)."""
+    level = {room: k for k, rooms in enumerate(levels) for room in rooms}
+
+    def room_of(module: str) -> str | None:  # dspark_jax.engine.offline -> engine; an entry point -> None
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 and parts[1] in level else None
+
+    return [f"{module} -> {dep}" for module, deps in sorted(graph.items()) if room_of(module)
+            for dep in sorted(deps) if room_of(dep) not in (None, room_of(module))
+            and level[room_of(dep)] >= level[room_of(module)]]
+
+
+def test_every_module_lives_in_a_known_room():
+    rooms = {room for level in ROOM_LEVELS for room in level}
+    on_disk = {d for d in os.listdir(PACKAGE) if os.path.isfile(os.path.join(PACKAGE, d, "__init__.py"))}
+    assert on_disk == rooms
+
+
+def test_every_import_points_down():
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_order_check_finds_an_upward_import():
+    graph = {"dspark_jax.drafters.dspark": {"dspark_jax.models.sampling", "dspark_jax.engine.sampling"},
+             "dspark_jax.data.datagen": {"dspark_jax.drafters.checkpoint"},  # same level, another room
+             "dspark_jax.engine.offline": {"dspark_jax.engine.sampling", "dspark_jax.data.prompt_files"},
+             "dspark_jax.decode": {"dspark_jax.training.trainer"}}  # an entry point imports any room
+    assert upward_imports(graph) == ["dspark_jax.data.datagen -> dspark_jax.drafters.checkpoint",
+                                     "dspark_jax.drafters.dspark -> dspark_jax.engine.sampling"]
+
+
+def namespace_readers(path: str) -> list[str]:
+    """Functions of a file that import argparse or read attributes of a parameter named like a parsed
+    command line (`args`, `ns`, `namespace`, `opts` or annotated `argparse.Namespace`):
+    "function(param.attr)" lines."""
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    found = [f"import argparse (line {node.lineno})" for node in ast.walk(tree)
+             if isinstance(node, ast.Import) and any(a.name == "argparse" for a in node.names)
+             or isinstance(node, ast.ImportFrom) and node.module == "argparse"]
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        params = {a.arg for a in fn.args.args + fn.args.kwonlyargs
+                  if a.arg in ("args", "ns", "namespace", "opts") or "Namespace" in ast.unparse(a.annotation or ast.Constant(""))}
+        reads = sorted({f"{p.value.id}.{p.attr}" for p in ast.walk(fn) if isinstance(p, ast.Attribute)
+                        and isinstance(p.value, ast.Name) and p.value.id in params})
+        if reads:
+            found.append(f"{getattr(fn, 'name', 'lambda')}({', '.join(reads[:3])})")
+    return found
+
+
+def test_settings_are_values_below_the_entry_points():
+    """Entry points parse flags into settings dataclasses; below them nothing reads a namespace (core.cli,
+    which builds the settings from the parsed flags, excepted)."""
+    offenders = {name: found for name, path in modules().items()
+                 if name.count(".") >= 2 and not name.startswith("dspark_jax.core.")
+                 for found in [namespace_readers(path)] if found}
+    assert offenders == {}
+
+
+def test_the_namespace_check_finds_a_reader(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("import argparse\n\ndef run(args, n):\n    return args.limit + n\n\n"
+                      "def fine(args: tuple):\n    return args[0]\n")
+    assert namespace_readers(str(source)) == ["import argparse (line 1)", "run(args.limit)"]

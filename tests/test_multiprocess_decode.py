@@ -20,7 +20,7 @@ from test_decode_offline import words
 
 from dspark_jax import datagen as datagen_cli
 from dspark_jax import decode
-from dspark_jax.data import datagen
+from dspark_jax.data import shards
 from dspark_jax.engine import offline
 
 # Six ragged prompts in the three formats (two cache-length groups are not needed: few tokens).
@@ -159,7 +159,7 @@ def folder_bytes(folder):
 
 
 def manifest_content(folder):
-    return {k: v for k, v in datagen.read_manifest(folder).items() if k != "created"}
+    return {k: v for k, v in shards.read_manifest(folder).items() if k != "created"}
 
 
 def test_datagen_two_processes_make_the_one_process_dataset(tiny_target_folder, tmp_path):

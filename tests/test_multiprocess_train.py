@@ -34,11 +34,11 @@ sys.exit(train.main(sys.argv[2:]))
 ROWS = """
 import sys, numpy as np
 from dspark_jax import train
-from dspark_jax.core.cli import ArgumentParser
+from dspark_jax.core.cli import ArgumentParser, add_settings, settings_from
 from dspark_jax.distributed import runtime
-p = ArgumentParser(); p.add_argument("config"); p.add_argument("out"); runtime.add_distributed_flags(p)
+p = ArgumentParser(); p.add_argument("config"); p.add_argument("out"); add_settings(p, runtime.ProcessSettings)
 args = p.parse_args(sys.argv[1:])
-runtime.initialize(args)
+runtime.initialize(settings_from(runtime.ProcessSettings, args))
 import jax
 from jax.experimental import multihost_utils
 from dspark_jax.checkpoints.registry import load_target

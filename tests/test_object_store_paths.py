@@ -23,7 +23,7 @@ from dspark_jax import datagen as datagen_cli
 from dspark_jax import decode, plot_metrics, train
 from dspark_jax.core import files
 from dspark_jax.core.errors import UserError
-from dspark_jax.data import datagen
+from dspark_jax.training import datagen
 
 
 class FakeGCS(LocalFileSystem):

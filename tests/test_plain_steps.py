@@ -23,7 +23,7 @@ from test_speculative import (
 from dspark_jax.drafters.dspark import init_drafter_params
 from dspark_jax.engine.fallback import PROBE_EVERY, PROBE_EVERY_MAX, PlainStepGate
 from dspark_jax.engine.generate import generate
-from dspark_jax.engine.sampling import SamplingConfig
+from dspark_jax.models.sampling import SamplingConfig
 from dspark_jax.engine.speculative import SpecConfig, speculative_generate, speculative_serve
 from dspark_jax.engine.sps import SPSTable, load_sps_table, save_sps_table, token_buckets
 
@@ -371,15 +371,14 @@ def test_the_engine_builds_its_own_gate(buckets):
 def test_the_decode_engine_keeps_its_gate_across_batches(tiny_target_folder, tiny_drafter):
     """`decode`'s engine keeps one gate per (rows, greedy): the second batch starts from what the
     first learned (no measuring round again), and every batch's output is still the target's."""
-    import argparse
-
     from dspark_jax.checkpoints.registry import load_target
-    from dspark_jax.engine.offline import load_speculative
+    from dspark_jax.engine.decode_settings import DecodeSettings
+    from dspark_jax.engine.speculative_run import load_speculative
 
     target = load_target(tiny_target_folder)
-    args = argparse.Namespace(drafter=tiny_drafter, scheduler="fixed", gamma=None, threshold=0.5, batch_size=2,
-                              max_new_tokens=10, json=True, sps_table=None, profile_sps=False, plain_steps=True)
-    engine = load_speculative(args, target)
+    settings = DecodeSettings(drafter=tiny_drafter, scheduler="fixed", max_batch=2, max_new_tokens=10, json=True,
+                              plain_steps="on")
+    engine = load_speculative(settings, target)
     prompts = [[5, 6, 7], [9, 3]]
     greedy = SamplingConfig()
     first = engine(prompts, greedy, seed=0)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from stats_helpers import assert_drawn_from, reference_probs
 
-from dspark_jax.engine.sampling import SamplingConfig, processed_log_probs, sample
+from dspark_jax.models.sampling import SamplingConfig, processed_log_probs, sample
 
 V = 8
 RANDOM = np.random.default_rng(0).normal(scale=1.5, size=(V,)).astype(np.float32)

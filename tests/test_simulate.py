@@ -281,6 +281,9 @@ def test_cli_run_writes_results(tmp_path, capsys):
     ["--concurrency", "1"],
     ["validate", "--bench", "/nonexistent.json", "--eval-stats", "docs/results/shipped/eval_t0/eval.json"],
     ["record", "--out", "x.json", "--prompts", "0"],
+    ["validate", "--bench", "x.json", "--eval-stats", "docs/results/shipped/eval_t0/eval.json", "--episodes", "1"],
+    ["--eval-stats", "docs/results/shipped/eval_t0/eval.json", "--seed", "-1"],
+    ["--eval-stats", "docs/results/shipped/eval_t0/eval.json", "--pool-size", "99"],
 ])
 def test_cli_bad_input_is_one_error_line(argv, capsys):
     from dspark_jax.simulate import main
@@ -288,6 +291,41 @@ def test_cli_bad_input_is_one_error_line(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ")
+
+
+def test_the_flags_build_the_settings_values():
+    """Every flag sets the field of its name, with the field's default; comma lists become tuples."""
+    from dspark_jax.serving.settings import (CurveSettings, RecordSettings, RunSettings, StatsSettings,
+                                             ValidateSettings)
+    from dspark_jax.simulate import parse_args
+
+    assert parse_args([]) == ("run", RunSettings())
+    assert parse_args(["validate", "--bench", "b.json"]) == ("validate", ValidateSettings(bench="b.json"))
+    assert parse_args(["record", "--out", "r.json"]) == ("record", RecordSettings(out="r.json"))
+    cmd, s = parse_args(["--acceptance-rates", "0.8,0.6", "--kappa", "3", "--concurrency", "1,4", "--policies",
+                         "fixed, dspark", "--sps-table", "a.json", "--sps-table", "b.json", "--chips", "2", "--quiet"])
+    assert s == RunSettings(stats=StatsSettings(acceptance_rates=(0.8, 0.6), kappa=3.0), concurrency=(1, 4),
+                            policies=("fixed", "dspark"), curve=CurveSettings(sps_table=("a.json", "b.json"), chips=2),
+                            quiet=True)
+    _, v = parse_args(["validate", "--bench", "b.json", "--rounds-file", "r.json", "--sps-table", "t.json",
+                       "--timing-noise", "0.2", "--seed", "5"])
+    assert v == ValidateSettings(bench="b.json", stats=StatsSettings(rounds_file="r.json"), sps_table=("t.json",),
+                                 timing_noise=0.2, seed=5)
+
+
+def test_settings_check_themselves():
+    from dspark_jax.core.config_checks import ConfigError
+    from dspark_jax.serving.settings import DEFAULT_POLICIES, CurveSettings, RunSettings, StatsSettings
+
+    assert DEFAULT_POLICIES == SIM.POLICIES  # written out: the settings import no jax
+    with pytest.raises(ConfigError, match="pool_size must be at least 100"):
+        StatsSettings(pool_size=10)
+    with pytest.raises(ConfigError, match="every element of acceptance_rates"):
+        StatsSettings(acceptance_rates=(0.5, 1.5))
+    with pytest.raises(ConfigError, match="curve.chips must be at least 1"):
+        RunSettings(curve={"chips": 0})
+    assert RunSettings(concurrency=[1, 2]).concurrency == (1, 2)
+    assert RunSettings(curve={"chips": 2}).curve == CurveSettings(chips=2)
 
 
 def test_corrupt_inputs(tmp_path):

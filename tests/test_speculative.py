@@ -14,7 +14,7 @@ from dspark_jax.engine.sps import SPSTable
 from dspark_jax.engine.generate import generate
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.engine.sampling import SamplingConfig
+from dspark_jax.models.sampling import SamplingConfig
 
 TCFG = ModelConfig(family="qwen3", vocab_size=32, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
                    head_dim=8, intermediate_size=48, max_position_embeddings=256, qk_norm=True)

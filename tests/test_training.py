@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.checkpoints.registry import Target
-from dspark_jax.data.datagen import FORMAT, MANIFEST, write_shard
+from dspark_jax.data.shards import FORMAT, MANIFEST, write_shard
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.training.config import DataConfig, OptimConfig, RunConfig, TrainConfig, load_config

@@ -80,10 +80,13 @@ class Rule:
 NO_RULE = Rule()
 
 
-def setting(default: Any = dataclasses.MISSING, *, ge=None, gt=None, le=None, lt=None, choices=None):
-    """A dataclass field with a range (`ge`/`gt`/`le`/`lt`) or a set of `choices`."""
+def setting(default: Any = dataclasses.MISSING, *, ge=None, gt=None, le=None, lt=None, choices=None,
+            doc: str | None = None, flag: str | None = None, metavar: str | None = None):
+    """A dataclass field with a range (`ge`/`gt`/`le`/`lt`) or a set of `choices`, and what it means
+    (`doc`: the help of the command-line flag that sets it, `core.cli.add_setting`; `flag` where that
+    is not --the-field-name, e.g. --no-progress for `progress`; `metavar` for its help)."""
     rule = Rule(ge, gt, le, lt, None if choices is None else tuple(choices))
-    return dataclasses.field(default=default, metadata={"rule": rule})
+    return dataclasses.field(default=default, metadata={"rule": rule, "doc": doc, "flag": flag, "metavar": metavar})
 
 
 @dataclasses.dataclass(frozen=True)

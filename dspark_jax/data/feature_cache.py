@@ -74,7 +74,7 @@ from tqdm.auto import tqdm
 
 from dspark_jax.core import files
 from dspark_jax.data import pipeline
-from dspark_jax.data.datagen import read_json_file
+from dspark_jax.data.shards import read_json_file
 from dspark_jax.core.errors import UserError
 
 FORMAT = "dspark-feature-cache-v1"

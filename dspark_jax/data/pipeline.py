@@ -76,7 +76,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.data.datagen import read_manifest, read_shard
+from dspark_jax.data.shards import read_manifest, read_shard
 from dspark_jax.core.errors import UserError
 
 

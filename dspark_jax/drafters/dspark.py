@@ -61,7 +61,7 @@ from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.core.errors import UserError
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.engine.sampling import SamplingConfig, processed_log_probs, sample
+from dspark_jax.models.sampling import SamplingConfig, processed_log_probs, sample
 
 _MASKED = -1e30  # score of an invisible key (finite: a fully masked row must not produce NaN)
 

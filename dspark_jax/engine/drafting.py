@@ -23,7 +23,7 @@ from dspark_jax.drafters import dspark, eagle3
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.engine.generate import unflatten
-from dspark_jax.engine.sampling import SamplingConfig
+from dspark_jax.models.sampling import SamplingConfig
 
 
 @jax.tree_util.register_dataclass

@@ -21,7 +21,7 @@ from dspark_jax.core.errors import UserError
 from dspark_jax.core.platform import traced_for_cpu
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.engine.sampling import SamplingConfig, sample
+from dspark_jax.models.sampling import SamplingConfig, sample
 
 
 def bucket(n: int, minimum: int = 16, step: int = 128) -> int:

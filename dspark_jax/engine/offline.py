@@ -2,8 +2,9 @@
 resumable results file, the engine run (continuous or static batches, plain or speculative) and
 the reporting of results in input order.
 
-`args` is the decode command's settings (its argparse namespace; `decode.parse_args` documents
-every field); `resolve` settles what the flags leave open before any weights load.
+The run's settings are one `DecodeSettings` value (`engine.decode_settings`, which documents every
+field); `decode_settings.resolve` settles what the flags leave open before any weights load. The
+pipeline, top to bottom: read the prompts, select what is left to do, tokenize, run, write.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from dspark_jax.core.errors import UserError
 from dspark_jax.core import files
 from dspark_jax.data.prompt_files import PromptRecord, prompt_text, read_prompt_records
 from dspark_jax.distributed import gather
+from dspark_jax.engine.decode_settings import DecodeSettings, resolve
+from dspark_jax.engine.speculative_run import Speculative, load_speculative, request_stats
 
-DEFAULT_MAX_BATCH = 8
 # Continuous batching runs prompts in groups of equal KV-cache length (shortest first), since with
 # several rows every step attends over the whole cache; a group smaller than this many prompts per
 # slot joins the next longer one, as the tail of a group (slots idling while its last requests
@@ -28,181 +30,6 @@ DEFAULT_MAX_BATCH = 8
 MIN_GROUP_PER_SLOT = 8
 RESULTS_FORMAT = "dspark_jax.decode/1"
 TIMING_FIELDS = ("request_wall_s", "request_tokens_per_s")  # the fields that differ between identical runs
-
-
-def drafter_settings(args, dcfg) -> tuple[str, int]:
-    """(scheduler, gamma) for this drafter: `--scheduler auto` resolved, --gamma and the scheduler
-    checked against what the drafter has (its block size, a confidence head)."""
-    scheduler = auto_scheduler(dcfg, args.batch_size) if args.scheduler == "auto" else args.scheduler
-    gamma = args.gamma or dcfg.block_size
-    if gamma < 1 or (dcfg.kind == "dspark" and gamma > dcfg.block_size):
-        raise UserError(f"--gamma {gamma} must be between 1 and the drafter's block size {dcfg.block_size}")
-    if scheduler in ("threshold", "dspark", "dspark-async") and not dcfg.confidence:
-        raise UserError(f"--scheduler {scheduler} needs a drafter with a confidence head")
-    return scheduler, gamma
-
-
-class Speculative:
-    """The speculative engine for the drafter given on the command line: call it on a static batch
-    (prompts, sampling, seed) -> SpecResult, or `serve` prompts with continuous batching.
-
-    `args` supplies drafter, scheduler, gamma, threshold, max_new_tokens, batch_size (the request
-    slots, which the verify buckets and the SPS table are sized for), json, sps_table, profile_sps."""
-
-    def __init__(self, args, target):
-        from dspark_jax.drafters.checkpoint import load_drafter
-
-        self.args, self.target = args, target
-        self.loaded = load_drafter(args.drafter, target.config, target.name)
-        self.dcfg = self.loaded.config
-        args.scheduler, self.gamma = drafter_settings(args, self.dcfg)
-        self.dparams = self.loaded.decoding_params(target)
-        self.policy = args.scheduler.replace("-", "_")
-        self.plain_steps = getattr(args, "plain_steps", False) is True  # resolved by `resolve`
-        self.gates = {}  # (rows, greedy) -> PlainStepGate, kept across batches (see `gate`)
-        # Every policy but "fixed" verifies fewer tokens than R x (gamma + 1): flatten them into buckets.
-        self.buckets = None
-        if self.policy != "fixed":
-            from dspark_jax.engine.sps import token_buckets
-
-            self.buckets = token_buckets(args.batch_size * (self.gamma + 1))
-
-    def config(self, prompts, sampling):
-        """The SpecConfig for these prompts (the dspark schedulers' SPS table is the one for the KV
-        cache they get)."""
-        from dspark_jax.engine.speculative import SpecConfig
-        from dspark_jax.engine.generate import pad_prompts
-
-        sps = None
-        if self.policy.startswith("dspark"):  # the round's cost depends on the KV cache this batch gets
-            max_len = pad_prompts(self.target.config, prompts, self.args.max_new_tokens, slack=self.gamma + 1)[2]
-            sps = sps_table(self.args, self.target, self.dcfg, self.dparams, self.gamma, max_len, self.buckets)
-        return SpecConfig(gamma=self.gamma, sampling=sampling, policy=self.policy, threshold=self.args.threshold,
-                          stop_ids=tuple(self.target.tokenizer.eos_token_ids), sps=sps, verify_buckets=self.buckets,
-                          plain_steps=self.plain_steps)
-
-    def gate(self, rows: int, cfg):
-        """The plain-step gate for batches of `rows` rows at this sampling mode (None without plain
-        steps), one per (rows, greedy) kept across calls: what it learned of this drafter's tau and
-        of this machine's round and plain-step costs carries over to the next batch, which then
-        pays no measuring round and no early re-probes again when drafts do not pay."""
-        if not cfg.plain_steps:
-            return None
-        from dspark_jax.engine.fallback import PlainStepGate
-
-        key = (rows, cfg.sampling.greedy)
-        if key not in self.gates:  # the tensor layout's processes run one batch together: the same choices
-            shared = layout_of_run(self.args) == "tensor" and gather.process_count() > 1
-            self.gates[key] = PlainStepGate.from_table(cfg.sps, rows, self.gamma, timed=not shared)
-        return self.gates[key]
-
-    def __call__(self, batch, sampling, seed, progress: bool | None = None):
-        from dspark_jax.engine.speculative import speculative_generate
-
-        t = self.target
-        cfg = self.config(batch, sampling)
-        return speculative_generate(t.params, t.config, self.dparams, self.dcfg, batch,
-                                    max_new_tokens=self.args.max_new_tokens, cfg=cfg, gate=self.gate(len(batch), cfg),
-                                    temperatures=self.loaded.sts_for(sampling.temperature), seed=seed,
-                                    progress=(not self.args.json and gather.is_primary()) if progress is None
-                                    else progress)
-
-    def serve(self, prompts, sampling, seed, *, slots: int, on_finish=None, on_progress=None):
-        from dspark_jax.engine.speculative import speculative_serve
-
-        t = self.target
-        cfg = self.config(prompts, sampling)
-        return speculative_serve(t.params, t.config, self.dparams, self.dcfg, prompts, slots=slots,
-                                 max_new_tokens=self.args.max_new_tokens, cfg=cfg, gate=self.gate(slots, cfg),
-                                 temperatures=self.loaded.sts_for(sampling.temperature), seed=seed, on_finish=on_finish,
-                                 on_progress=on_progress, keep_rounds=False)
-
-
-def load_speculative(args, target) -> Speculative:
-    """The speculative engine for the drafter given on the command line (see `Speculative`)."""
-    return Speculative(args, target)
-
-
-def auto_scheduler(dcfg, batch_size: int) -> str:
-    """`--scheduler auto`: fixed without a confidence head; else Algorithm 1 for one request, and
-    the asynchronous variant for a batch, where Algorithm 1's early stop meets bucket cliffs (every
-    request's anchor fills a bucket exactly, so the first draft token pads the pass to the next) and
-    verifies nothing (docs/results.md section 6: 27-30% behind MTP-1 at 16 and 64 requests)."""
-    if not dcfg.confidence:
-        return "fixed"
-    return "dspark" if batch_size == 1 else "dspark-async"
-
-
-_TABLES: dict = {}  # SPS tables this process loaded or profiled, by file: read (or re-measured) once
-
-
-def sps_table(args, target, dcfg, dparams, gamma, max_len, buckets):
-    """Load the SPS table (round cost per verify bucket: the drafter's pass + the target's verify)
-    for this device, target, drafter, batch size, gamma and KV-cache length, or profile and save it.
-    The cache length matters: attention over a batch runs over the whole cache, so on a small
-    target it is a large part of a round (a table profiled at 512 positions overstates what extra
-    verify tokens cost at 256)."""
-    import jax
-    import jax.numpy as jnp
-
-    from dspark_jax.core import host_memory
-    from dspark_jax.engine.speculative import profile_verify
-    from dspark_jax.engine.sps import SPSTable, code_tag, device_kind, load_sps_table, save_sps_table
-    from dspark_jax.models import cpu_kernels, decoder
-
-    # The draft cost is part of a round: the table belongs to the drafter's shape as well as the target's.
-    # So do the decoder's layer layout, its weights' dtype and what runs the products: their costs differ.
-    drafter = f"{dcfg.kind}-{dcfg.num_layers}L-{dcfg.head}-d{dcfg.hidden_size}-{decoder.layout_of(dparams)}"
-    drafter += "".join(sorted({f"_{a.dtype}" for a in jax.tree.leaves(dparams) if a.dtype != jnp.float32}))
-    layout = decoder.layout_of(target.params)
-    weights = "" if target.weight_dtype == "float32" else f"_{target.weight_dtype}"
-    # Each version of the code a round runs has its own costs: our CPU kernels (verify passes through
-    # them cost about half what they cost through XLA's dot) and the decoding modules (`code_tag`).
-    code = (f"_rowkernel-{cpu_kernels.source_tag()}" if cpu_kernels.active() else "") + f"_code-{code_tag()}"
-    code += "" if host_memory.applied() else "_malloc-system"  # freed temporaries re-faulted each step
-    model = (f"{target.name}:{target.config.num_layers}x{target.config.hidden_size}:{target.weight_dtype}{code}:"
-             f"{layout}+{drafter}:kv{max_len}")
-    path = args.sps_table or os.path.join(".dspark_cache", f"sps_{target.name}_{layout}{weights}{code}_{drafter}_"
-                                          f"{device_kind().replace(' ', '_')}_b{args.batch_size}_g{gamma}_kv{max_len}.json")
-    if path in _TABLES:
-        return _TABLES[path]
-
-    def stored() -> dict | None:  # the table on disk, or None to profile one
-        if files.exists(path) and not args.profile_sps:
-            return load_sps_table(path, device=device_kind(), model=model, buckets=buckets).to_json()
-        if args.sps_table and not args.profile_sps:
-            raise UserError(f"no SPS table at {args.sps_table} (add --profile-sps to measure one)")
-        return None
-
-    # Under the tensor layout every process runs the same sharded program, so all must plan with
-    # one table: process 0's (read by it alone; profiling is a collective, timed on every process).
-    shared = layout_of_run(args) == "tensor" and gather.process_count() > 1
-    found = gather.on_primary(stored) if shared else stored()
-    if found is not None:
-        _TABLES[path] = SPSTable.from_json(found)
-        return _TABLES[path]
-    if not args.json and gather.is_primary():
-        print(f"profiling a round (draft + verify) for {len(buckets)} token buckets ...", file=sys.stderr)
-    table = profile_verify(target.params, target.config, dcfg, rows=args.batch_size, gamma=gamma, max_len=max_len,
-                           model=model, dparams=dparams)
-    if shared:
-        table = SPSTable.from_json(gather.broadcast_json(table.to_json()))
-    if gather.is_primary() or not shared:  # data layout: each process its own devices' (atomic writes)
-        save_sps_table(path, table)
-    _TABLES[path] = table
-    return table
-
-
-def request_stats(result, gamma: int) -> list[dict]:
-    """Per request of a static speculative batch, the totals `engine.speculative.RequestStats`
-    keeps under continuous batching: rounds, tau summed (bonus included), verified draft tokens
-    and, per draft position k, the rounds that reached k (1..k-1 accepted, k verified) and accepted it."""
-    from dspark_jax.engine.speculative import RequestStats
-
-    totals = RequestStats(len(result.token_ids), gamma)
-    for r in result.rounds:
-        totals.add(r)
-    return [totals.take(i) for i in range(len(result.token_ids))]
 
 
 # ----------------------------------------------------------------------------- requests
@@ -221,79 +48,54 @@ def prompt_sha256(record: PromptRecord) -> str:
     return hashlib.sha256(json.dumps(content, ensure_ascii=False, sort_keys=True).encode("utf-8")).hexdigest()
 
 
-def read_inputs(args) -> list[PromptRecord]:
+def read_inputs(settings: DecodeSettings) -> list[PromptRecord]:
     """Every prompt of the command line, --prompt ones first (not yet --offset / --limit)."""
-    records = [PromptRecord(f"prompt {i}", text=prompt_text(p)) for i, p in enumerate(args.prompt, 1)]
-    if args.prompts_file:
-        records += read_prompt_records(args.prompts_file)
+    records = [PromptRecord(f"prompt {i}", text=prompt_text(p)) for i, p in enumerate(settings.prompt, 1)]
+    if settings.prompts_file:
+        records += read_prompt_records(settings.prompts_file)
     if not records:
         raise UserError("give at least one --prompt or a --prompts-file")
     return records
 
 
-def select(args, records: list[PromptRecord]) -> list[Request]:
+def select(settings: DecodeSettings, records: list[PromptRecord]) -> list[Request]:
     """The requests --offset / --limit select, each checked (no empty prompt, no conversation with --raw)."""
-    if args.offset >= len(records):
-        raise UserError(f"--offset {args.offset} skips all {len(records)} prompts")
-    end = len(records) if args.limit is None else min(len(records), args.offset + args.limit)
+    if settings.offset >= len(records):
+        raise UserError(f"--offset {settings.offset} skips all {len(records)} prompts")
+    end = len(records) if settings.limit is None else min(len(records), settings.offset + settings.limit)
     chosen = []
-    for index in range(args.offset, end):
+    for index in range(settings.offset, end):
         rec = records[index]
         if rec.messages is None and not rec.text.strip():
             raise UserError(f"{rec.source} is empty" if rec.source.startswith("prompt ") else
                             f"{rec.source}: the prompt is empty")
         if rec.messages is not None and not any(m["content"].strip() for m in rec.messages):
             raise UserError(f"{rec.source}: every message is empty")
-        if rec.messages is not None and args.raw:
+        if rec.messages is not None and settings.raw:
             raise UserError(f'{rec.source}: a conversation ("messages") needs the chat template; drop --raw')
         chosen.append(Request(index, rec, prompt_sha256(rec)))
     return chosen
 
 
-def tokenize(args, target, requests: list[Request]) -> None:
-    """Prompt ids of every request (chat template unless --raw), each checked against the context."""
-    from dspark_jax.engine.generate import check_context
-
-    tok = target.tokenizer
-    if tok.chat_template is None and not args.raw and any(r.prompt.messages is None for r in requests):
-        print(f"note: {target.name} has no chat template (a base model): prompts are tokenised as raw text"
-              + (" after its BOS" if tok.bos_token_id is not None else ""), file=sys.stderr)
-    for r in requests:
-        try:
-            if r.prompt.messages is not None:
-                r.ids = tok.encode(tok.apply_chat_template(list(r.prompt.messages)))
-            else:
-                r.ids = tok.raw_prompt_ids(r.prompt.text) if args.raw else tok.chat_prompt_ids(r.prompt.text)
-            check_context(target.config, [len(r.ids)], args.max_new_tokens)
-        except UserError as e:
-            raise UserError(f"{r.prompt.source}: {e}") from None
+# ----------------------------------------------------------- --output: what is left to do
 
 
-def generation_settings(args, target_name: str) -> dict:
+def generation_settings(settings: DecodeSettings, target_name: str) -> dict:
     """What decides a result (the --output header): a resumed run must match it exactly. Execution
     choices (--max-batch, --batching, --length-groups) are left out: greedy output does not depend
     on them."""
     from dspark_jax.checkpoints.registry import KNOWN_TARGETS
 
-    settings = {"target": args.target if args.target in KNOWN_TARGETS else os.path.abspath(args.target),
-                "target_name": target_name, "dtype": args.dtype, "raw": args.raw,
-                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
-                "top_p": args.top_p, "seed": args.seed,
-                "drafter": args.drafter if args.drafter == "none" else files.absolute(args.drafter)}
-    if args.drafter != "none":
-        settings.update(scheduler=args.scheduler, gamma=args.gamma, plain_steps=getattr(args, "plain_steps", False))
-        if args.scheduler == "threshold":
-            settings["threshold"] = args.threshold
-    return settings
-
-
-def derived_seed(seed: int, *parts) -> int:
-    """A seed of its own for part of a run (a resumed run, a later length group)."""
-    digest = hashlib.sha256(repr((seed,) + parts).encode()).digest()
-    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
-
-
-# ----------------------------------------------------------------------------- --output
+    header = {"target": settings.target if settings.target in KNOWN_TARGETS else os.path.abspath(settings.target),
+                "target_name": target_name, "dtype": settings.dtype, "raw": settings.raw,
+                "max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature, "top_k": settings.top_k,
+                "top_p": settings.top_p, "seed": settings.seed,
+                "drafter": settings.drafter if settings.drafter == "none" else files.absolute(settings.drafter)}
+    if settings.drafter != "none":
+        header.update(scheduler=settings.scheduler, gamma=settings.gamma, plain_steps=settings.plain_steps == "on")
+        if settings.scheduler == "threshold":
+            header["threshold"] = settings.threshold
+    return header
 
 
 class ResultsFile:
@@ -434,7 +236,35 @@ class ResultsFile:
             self.fd = None
 
 
+# ----------------------------------------------------------------------------- tokenize
+
+
+def tokenize(settings: DecodeSettings, target, requests: list[Request]) -> None:
+    """Prompt ids of every request (chat template unless --raw), each checked against the context."""
+    from dspark_jax.engine.generate import check_context
+
+    tok = target.tokenizer
+    if tok.chat_template is None and not settings.raw and any(r.prompt.messages is None for r in requests):
+        print(f"note: {target.name} has no chat template (a base model): prompts are tokenised as raw text"
+              + (" after its BOS" if tok.bos_token_id is not None else ""), file=sys.stderr)
+    for r in requests:
+        try:
+            if r.prompt.messages is not None:
+                r.ids = tok.encode(tok.apply_chat_template(list(r.prompt.messages)))
+            else:
+                r.ids = tok.raw_prompt_ids(r.prompt.text) if settings.raw else tok.chat_prompt_ids(r.prompt.text)
+            check_context(target.config, [len(r.ids)], settings.max_new_tokens)
+        except UserError as e:
+            raise UserError(f"{r.prompt.source}: {e}") from None
+
+
 # ----------------------------------------------------------------------------- running
+
+
+def derived_seed(seed: int, *parts) -> int:
+    """A seed of its own for part of a run (a resumed run, a later length group)."""
+    digest = hashlib.sha256(repr((seed,) + parts).encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
 def cache_groups(lengths: list[int], cache_len, slots: int) -> list[list[int]]:
@@ -459,9 +289,9 @@ def cache_groups(lengths: list[int], cache_len, slots: int) -> list[list[int]]:
     return groups
 
 
-def run_engine(args, target, speculative: Speculative | None, requests: list[Request], sampling, seed: int,
-               on_result=None, on_progress=None) -> dict:
-    """Decode `requests` (tokenised) as args.batching / max_batch / length_groups say: plain target
+def run_engine(settings: DecodeSettings, target, speculative: Speculative | None, requests: list[Request],
+               sampling, seed: int, on_result=None, on_progress=None) -> dict:
+    """Decode `requests` (tokenised) as settings.batching / max_batch / length_groups say: plain target
     decoding, or speculative with `speculative`. on_result(request, token_ids, stats) as each
     completes (stats: "wall_s", and the speculative totals); on_progress(tokens, seconds) now and
     then. Returns the run's totals: wall_s and compile_s (excluded from wall_s), tokens, and for
@@ -469,7 +299,7 @@ def run_engine(args, target, speculative: Speculative | None, requests: list[Req
     from dspark_jax.engine.generate import bucket, generate, serve
 
     stops = target.tokenizer.eos_token_ids
-    slots = args.max_batch
+    slots = settings.max_batch
     totals = no_totals()
     done = [0, 0.0]  # tokens and seconds of the engine calls finished so far
 
@@ -492,11 +322,11 @@ def run_engine(args, target, speculative: Speculative | None, requests: list[Req
         progress(0, 0.0)
 
     ids = [r.ids for r in requests]
-    if args.batching == "static":
+    if settings.batching == "static":
         for start in range(0, len(requests), slots):
             batch = ids[start: start + slots]
             if speculative is None:
-                result = generate(target.params, target.config, batch, max_new_tokens=args.max_new_tokens,
+                result = generate(target.params, target.config, batch, max_new_tokens=settings.max_new_tokens,
                                   sampling=sampling, stop_ids=stops, seed=seed + start)
                 stats = [{} for _ in batch]
             else:
@@ -510,9 +340,9 @@ def run_engine(args, target, speculative: Speculative | None, requests: list[Req
     slack = 0 if speculative is None else speculative.gamma + 1
 
     def cache_len(n: int) -> int:  # as generate.pad_prompts sizes the cache
-        return bucket(max(bucket(n), n + args.max_new_tokens + slack), minimum=64)
+        return bucket(max(bucket(n), n + settings.max_new_tokens + slack), minimum=64)
 
-    groups = cache_groups([len(p) for p in ids], cache_len, slots) if args.length_groups else [
+    groups = cache_groups([len(p) for p in ids], cache_len, slots) if settings.length_groups else [
         list(range(len(ids)))]
     for g, members in enumerate(groups):
         prompts = [ids[i] for i in members]
@@ -520,7 +350,7 @@ def run_engine(args, target, speculative: Speculative | None, requests: list[Req
                                                                                     stats), members)
         group_seed = seed if g == 0 else derived_seed(seed, "group", g)
         if speculative is None:
-            result = serve(target.params, target.config, prompts, slots=slots, max_new_tokens=args.max_new_tokens,
+            result = serve(target.params, target.config, prompts, slots=slots, max_new_tokens=settings.max_new_tokens,
                            sampling=sampling, stop_ids=stops, seed=group_seed, on_finish=on_finish,
                            on_progress=progress)
         else:
@@ -528,6 +358,9 @@ def run_engine(args, target, speculative: Speculative | None, requests: list[Req
                                        on_progress=progress)
         account(result)
     return totals
+
+
+# ----------------------------------------------------------- results: records, stdout, progress
 
 
 def make_record(request: Request, ids: list[int], stats: dict, target, max_batch: int) -> dict:
@@ -552,15 +385,15 @@ class Reporter:
     """Where results go: --output as each completes, stdout in input order (readable or --json),
     and the progress bar on stderr (requests done, aggregate tokens/s, mean tau)."""
 
-    def __init__(self, args, order: list[int], done: dict[int, dict], output: ResultsFile | None, todo: int):
+    def __init__(self, settings: DecodeSettings, order: list[int], done: dict[int, dict], output: ResultsFile | None, todo: int):
         from tqdm.auto import tqdm
 
-        self.args, self.order, self.output = args, order, output
-        self.print_records = args.json or output is None
+        self.settings, self.order, self.output = settings, order, output
+        self.print_records = settings.json or output is None
         self.ready = dict(done) if self.print_records else {}  # records waiting for their turn on stdout
         self.next = 0
         self.tau_sum = self.rounds = 0
-        self.bar = tqdm(total=todo, unit="req", desc="decode", disable=args.json or todo == 0, file=sys.stderr,
+        self.bar = tqdm(total=todo, unit="req", desc="decode", disable=settings.json or todo == 0, file=sys.stderr,
                         dynamic_ncols=True)
         self.flush()
 
@@ -583,7 +416,7 @@ class Reporter:
         while self.next < len(self.order) and self.order[self.next] in self.ready:
             record = self.ready.pop(self.order[self.next])
             self.next += 1
-            self.bar.write(json.dumps(record, ensure_ascii=False) if self.args.json else readable(record),
+            self.bar.write(json.dumps(record, ensure_ascii=False) if self.settings.json else readable(record),
                            file=sys.stdout)
             sys.stdout.flush()
 
@@ -599,43 +432,7 @@ def readable(record: dict) -> str:
             f"[{record['num_tokens']} tokens, {record['request_wall_s']:.2f} s, {rate:.1f} tokens/s{extra}]\n")
 
 
-def resolve(args, count: int) -> str:
-    """Settle what the flags leave open for `count` requests, checking what can be checked without
-    the target's weights: --max-batch (or its old name --batch-size; at most `count`, so no padding
-    rows and the SPS table and `auto` scheduler are for the rows really decoding, kept in both
-    args.max_batch and args.batch_size), the default drafter, --compare-ar, and the scheduler and
-    gamma (from the drafter's JSON). Returns the target's name."""
-    from dspark_jax.checkpoints.registry import default_drafter_path, resolve_target_path
-    from dspark_jax.drafters.checkpoint import read_drafter_config
-
-    if args.max_batch and args.batch_size and args.max_batch != args.batch_size:
-        raise UserError("--batch-size is the old name of --max-batch: give one of them")
-    slots = args.max_batch or args.batch_size or DEFAULT_MAX_BATCH
-    args.max_batch = args.batch_size = min(slots, count)
-    target_name, _ = resolve_target_path(args.target)
-    if args.drafter == "default":
-        args.drafter = default_drafter_path(target_name) or "none"
-    if args.compare_ar is None:
-        args.compare_ar = args.drafter != "none" and not args.json and not args.output
-    if args.drafter != "none":
-        automatic = args.scheduler == "auto"
-        args.scheduler, args.gamma = drafter_settings(args, read_drafter_config(args.drafter))
-        choice = getattr(args, "plain_steps", "auto")
-        args.plain_steps = automatic if choice == "auto" else choice in ("on", True)
-    return target_name
-
-
 # ----------------------------------------------------------------------------- processes
-
-LAYOUTS = ("data", "tensor")
-
-
-def layout_of_run(args) -> str:
-    """--layout: "data" (each process decodes its own share of the prompts; with one process, the
-    plain single-device run) or "tensor" (one mesh over every process's devices, the target's
-    weights split over its tensor axis, every process running the whole batch)."""
-    return getattr(args, "layout", None) or "data"
-
 
 def shard_target(target) -> dict:
     """The tensor layout: the target's params placed on one (data=1, fsdp=1, tensor=all devices)
@@ -684,7 +481,7 @@ def check_complete(indices: list[int], todo: list[Request]) -> None:
                            f"(missing {missing[:10]}, duplicated or unknown {extra[:10]})")
 
 
-def decode_prompts(args) -> dict:
+def decode_prompts(settings: DecodeSettings) -> dict:
     """Everything `python -m dspark_jax.decode` does between parsing and the summary: read and select
     the prompts, check what can be checked before the target's weights load, resume from --output,
     decode the rest (results reported as they complete) and, with --compare-ar, plain decoding too.
@@ -695,56 +492,56 @@ def decode_prompts(args) -> dict:
     data layout each process decodes its share of the remaining prompts and process 0 gathers the
     others' records at the end, under the tensor layout every process decodes all of them with the
     target split over every device."""
-    records = read_inputs(args)
-    requests = select(args, records)
+    records = read_inputs(settings)
+    requests = select(settings, records)
 
     from dspark_jax.checkpoints import registry
-    from dspark_jax.engine.sampling import SamplingConfig
+    from dspark_jax.models.sampling import SamplingConfig
 
     # Everything that can be checked without the target's weights is checked before they load.
-    target_name = resolve(args, len(requests))
-    layout, processes, primary = layout_of_run(args), gather.process_count(), gather.is_primary()
+    settings, target_name = resolve(settings, len(requests))
+    layout, processes, primary = settings.layout, gather.process_count(), gather.is_primary()
     output = None
 
     def open_output() -> list[int]:  # process 0 only: the prompts already done
         nonlocal output
-        output = ResultsFile(args.output, generation_settings(args, target_name), [prompt_sha256(r) for r in records])
+        output = ResultsFile(settings.output, generation_settings(settings, target_name), [prompt_sha256(r) for r in records])
         return sorted(i for i in output.records if requests[0].index <= i <= requests[-1].index)
 
     try:
-        done_indices = gather.on_primary(open_output) if args.output else []
+        done_indices = gather.on_primary(open_output) if settings.output else []
         done = {i: output.records[i] if output is not None else None for i in done_indices}
         todo = [r for r in requests if r.index not in done]
         totals, ar, speculative, reporter = no_totals(), None, None, None
         walls, mesh = [0.0] * processes, None
         if todo:
-            target = registry.load_target(args.target, dtype=args.dtype)
+            target = registry.load_target(settings.target, dtype=settings.dtype)
             if layout == "tensor":
                 mesh = shard_target(target)
-            tokenize(args, target, todo)  # all of them on every process: an error is the same everywhere
+            tokenize(settings, target, todo)  # all of them on every process: an error is the same everywhere
             mine = gather.share(todo) if layout == "data" else todo
-            speculative = None if args.drafter == "none" else load_speculative(args, target)
-            sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-            seed = args.seed if not done else derived_seed(args.seed, "resume", len(done))
+            speculative = None if settings.drafter == "none" else load_speculative(settings, target)
+            sampling = SamplingConfig(settings.temperature, settings.top_k, settings.top_p)
+            seed = settings.seed if not done else derived_seed(settings.seed, "resume", len(done))
             if layout == "data" and gather.process_index() > 0:  # its own random numbers
                 seed = derived_seed(seed, "process", gather.process_index())
             if output is not None:
                 output.start()
             if primary:
-                reporter = Reporter(args, [r.index for r in requests], done, output, len(todo))
+                reporter = Reporter(settings, [r.index for r in requests], done, output, len(todo))
             local: list[dict] = []  # the records this process made (for process 0, under the data layout)
 
             def on_result(request, ids, stats):
-                record = make_record(request, ids, stats, target, args.max_batch)
+                record = make_record(request, ids, stats, target, settings.max_batch)
                 if reporter is not None:
                     reporter.result(record, stats)
                 local.append(record)
 
             if mine:
-                totals = run_engine(args, target, speculative, mine, sampling, seed, on_result,
+                totals = run_engine(settings, target, speculative, mine, sampling, seed, on_result,
                                     None if reporter is None else reporter.progress)
-            if args.compare_ar and speculative is not None:
-                ar = run_engine(args, target, None, mine, sampling, seed) if mine else no_totals()
+            if settings.compare_ar and speculative is not None:
+                ar = run_engine(settings, target, None, mine, sampling, seed) if mine else no_totals()
             if layout == "data" and processes > 1:
                 # process 0 gathers the others' records (it has its own) and reports them; every
                 # process checks that all were decoded once, so a failure stops them all alike
@@ -761,7 +558,7 @@ def decode_prompts(args) -> dict:
                 if ar is not None:
                     ar, _ = combined_totals(ar, layout)
         elif primary:
-            reporter = Reporter(args, [r.index for r in requests], done, output, 0)
+            reporter = Reporter(settings, [r.index for r in requests], done, output, 0)
         if reporter is not None:
             reporter.close()
     finally:
@@ -771,8 +568,8 @@ def decode_prompts(args) -> dict:
                "generated_tokens": totals["tokens"], "wall_s": round(totals["wall_s"], 4),
                "compile_s": round(totals["compile_s"], 2),
                "aggregate_tokens_per_s": round(totals["tokens"] / totals["wall_s"], 2) if totals["wall_s"] else None,
-               "batching": args.batching, "max_batch": args.max_batch, "target": target_name,
-               "drafter": args.drafter, "output": args.output}
+               "batching": settings.batching, "max_batch": settings.max_batch, "target": target_name,
+               "drafter": settings.drafter, "output": settings.output}
     if processes > 1:  # aggregate tokens/s above: every process's tokens over the slowest one's wall time
         summary.update(processes=processes, layout=layout, process_wall_s=[round(w, 4) for w in walls])
     elif layout != "data":
@@ -780,7 +577,7 @@ def decode_prompts(args) -> dict:
     if mesh is not None:
         summary["mesh"] = mesh
     if speculative is not None:
-        summary.update(scheduler=args.scheduler, gamma=args.gamma, plain_steps=totals["plain_steps"],
+        summary.update(scheduler=settings.scheduler, gamma=settings.gamma, plain_steps=totals["plain_steps"],
                        rounds=totals["rounds"],
                        mean_acceptance_length=round(totals["tau_sum"] / totals["rounds"], 4) if totals["rounds"] else 1.0)
     if ar is not None and ar["wall_s"]:

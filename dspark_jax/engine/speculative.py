@@ -36,7 +36,7 @@ from dspark_jax.engine.generate import (FlatPrompts, GenerationResult, compiled,
                                          running_clock, stop_mask)
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.engine.sampling import SamplingConfig, processed_log_probs, sample
+from dspark_jax.models.sampling import SamplingConfig, processed_log_probs, sample
 
 
 POLICIES = ("fixed", "mtp1", "threshold", "dspark", "dspark_async")

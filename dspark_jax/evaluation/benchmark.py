@@ -15,6 +15,8 @@ import sys
 
 import numpy as np
 
+from dspark_jax.checkpoints.known_targets import DEFAULT_TARGET
+from dspark_jax.core.config_checks import setting, validate
 from dspark_jax.core.errors import UserError
 from dspark_jax.distributed import gather
 from dspark_jax.evaluation.rounds import collect_rounds, pool_rounds
@@ -22,6 +24,37 @@ from dspark_jax.evaluation.rounds import collect_rounds, pool_rounds
 DEFAULT_SETS = "gsm8k,math500,humaneval,mbpp,arena-hard-v2"
 OTHER = "other"
 DEFAULT_THRESHOLDS = tuple(round(0.05 * i, 2) for i in range(20))  # 0.0 .. 0.95
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """What `python -m dspark_jax.eval` evaluates and how (each field's doc is its flag's help)."""
+
+    drafters: str = setting(doc="comma-separated drafter folders, each optionally labelled NAME=DIR")
+    out: str = setting(doc="results folder (eval.json, eval.md, *.png)")
+    baseline: str | None = setting(None, doc="drafter the relative gains refer to (default: the first)")
+    target: str = setting(DEFAULT_TARGET, doc="known name, Hugging Face folder or .gguf file")
+    sets: str = setting("default", doc=f"prompt sets, domains or 'all' (EVAL split); default {DEFAULT_SETS}, or none "
+                                       "when --bench is given; 'none' for none")
+    bench: tuple[str, ...] = setting((), metavar="NAME=PATH[:DOMAIN]",
+                                     doc='extra benchmark: a {"turns": [...]} JSONL file (all of it; domain math, code, '
+                                         f"chat or {OTHER}, default {OTHER}); repeatable")
+    limit: int = setting(20, ge=1, doc="prompts per benchmark (the first N)")
+    gamma: int | None = setting(None, ge=1, doc="draft tokens per round (default: each drafter's block)")
+    max_new_tokens: int = setting(256, ge=2, doc="tokens to generate per prompt at most")
+    temperature: float = setting(1.0, ge=0, doc="sampling temperature (0 = greedy)")
+    batch_size: int = setting(8, ge=1, doc="prompts decoded together")
+    seed: int = setting(0, ge=0, lt=2**32, doc="random seed of the sampling")
+    dtype: str = setting("float32", choices=("float32", "bfloat16"),
+                         doc="weights' dtype; bfloat16 keeps fp32 activations on a CPU and is much faster for verify "
+                             "passes and batches on CPUs with AMX or AVX512-BF16 (docs/results.md section 9)")
+    thresholds: tuple[float, ...] = setting(DEFAULT_THRESHOLDS, ge=0, le=1,
+                                            doc="prefix-survival thresholds of the static-threshold sweep")
+    bins: int = setting(10, ge=1, doc="equal-width bins for ECE and reliability diagrams")
+    progress: bool = setting(True, flag="--no-progress", doc="no progress bars")
+
+    def __post_init__(self):
+        validate(self)
 
 
 @dataclasses.dataclass
@@ -74,7 +107,7 @@ def parse_bench(spec: str) -> tuple[str, str, str]:
     return name, path, domain
 
 
-def load_benches(args) -> list[Bench]:
+def load_benches(settings: EvalSettings) -> list[Bench]:
     """The benchmarks in domain order (math, code, chat, other), each cut to --limit prompts."""
     from dspark_jax.data.prompt_files import read_prompts_file
     from dspark_jax.data.splits import (
@@ -85,13 +118,13 @@ def load_benches(args) -> list[Bench]:
         parse_sets,
     )
 
-    sets = args.sets if args.sets is not None else ("none" if args.bench else DEFAULT_SETS)
+    sets = settings.sets if settings.sets != "default" else ("none" if settings.bench else DEFAULT_SETS)
     benches = [] if sets.strip() == "none" else [
         Bench(name, domain_of(name), os.path.join(PROMPTS_DIR, f"{name}.jsonl") + " (eval split)",
-              get_split(name, "eval")[: args.limit]) for name in parse_sets(sets)]
-    for spec in args.bench:
+              get_split(name, "eval")[: settings.limit]) for name in parse_sets(sets)]
+    for spec in settings.bench:
         name, path, domain = parse_bench(spec)
-        benches.append(Bench(name, domain, path, read_prompts_file(path)[: args.limit]))
+        benches.append(Bench(name, domain, path, read_prompts_file(path)[: settings.limit]))
     if not benches:
         raise UserError("no benchmarks: give --sets and/or --bench NAME=PATH")
     names = [b.name for b in benches]
@@ -105,8 +138,8 @@ def load_benches(args) -> list[Bench]:
     return sorted(benches, key=lambda b: order.index(b.domain))
 
 
-def drafter_gamma(args, label: str, dcfg) -> int:
-    gamma = args.gamma or dcfg.block_size
+def drafter_gamma(settings: EvalSettings, label: str, dcfg) -> int:
+    gamma = settings.gamma or dcfg.block_size
     if dcfg.kind == "dspark" and gamma > dcfg.block_size:
         raise UserError(f"--gamma {gamma} is larger than the block size {dcfg.block_size} of drafter {label}")
     return gamma
@@ -169,24 +202,25 @@ def calibrated_with(loaded, temperature: float) -> dict | None:
     return (loaded.metadata.get("calibrations") or {}).get(f"{at:g}")
 
 
-def evaluate_drafter(args, target, label: str, path: str, loaded, gamma: int, benches: list[Bench]) -> dict:
+def evaluate_drafter(settings: EvalSettings, target, label: str, path: str, loaded, gamma: int,
+                     benches: list[Bench]) -> dict:
     dcfg = loaded.config
     temps = None
-    calibrated = loaded.sts_for(args.temperature)
+    calibrated = loaded.sts_for(settings.temperature)
     if dcfg.confidence and calibrated is not None and len(calibrated) >= gamma:
         temps = np.asarray(calibrated[:gamma], dtype=np.float64)
     per_bench = {}
     for b in benches:
-        if not args.no_progress and gather.is_primary():
+        if settings.progress and gather.is_primary():
             print(f"[{label}] {b.name}: {len(b.prompts)} prompts", file=sys.stderr, flush=True)
-        per_bench[b.name] = collect_rounds(target, loaded, b.prompts, max_new_tokens=args.max_new_tokens,
-                                           temperature=args.temperature, batch_size=args.batch_size,
-                                           seed=args.seed, progress=not args.no_progress, gamma=gamma)
+        per_bench[b.name] = collect_rounds(target, loaded, b.prompts, max_new_tokens=settings.max_new_tokens,
+                                           temperature=settings.temperature, batch_size=settings.batch_size,
+                                           seed=settings.seed, progress=settings.progress, gamma=gamma)
 
     def metrics(names: list[str]) -> dict:
         prompts = sum(len(b.prompts) for b in benches if b.name in names)
         return round_metrics(pool_rounds([per_bench[n] for n in names]), prompts, gamma, dcfg.confidence, temps,
-                             args.thresholds, args.bins)
+                             settings.thresholds, settings.bins)
 
     domains = {}
     for b in benches:
@@ -196,7 +230,7 @@ def evaluate_drafter(args, target, label: str, path: str, loaded, gamma: int, be
         "path": path, "kind": dcfg.kind, "head": dcfg.head, "confidence": dcfg.confidence,
         "block_size": dcfg.block_size, "gamma": gamma,
         "sts_temperatures": None if temps is None else temps.tolist(),
-        "calibrated_with": calibrated_with(loaded, args.temperature),  # what `calibrate` fitted them on
+        "calibrated_with": calibrated_with(loaded, settings.temperature),  # what `calibrate` fitted them on
         "benchmarks": bench_metrics,
         "domains": {d: metrics(names) for d, names in domains.items()},
         "overall": metrics([b.name for b in benches]),
@@ -224,25 +258,25 @@ def comparison(results: dict, baseline: str, benches: list[Bench]) -> dict:
     return {"baseline": baseline, "columns": list(base), "rows": rows}
 
 
-def evaluate(args) -> tuple[dict, list[Bench]]:
-    """The whole evaluation `python -m dspark_jax.eval` runs (args: its settings): every drafter on
+def evaluate(settings: EvalSettings) -> tuple[dict, list[Bench]]:
+    """The whole evaluation `python -m dspark_jax.eval` runs: every drafter on
     every benchmark, checked before the target loads. Returns the report (JSON-able) and the benchmarks.
 
     Several processes each call this with the same settings and all get the same report; a
     UserError on any process (settings, files, the target) is raised on every one."""
     from dspark_jax.evaluation.calibration import to_jsonable
 
-    drafter_paths, baseline, benches, loaded, gammas, target = gather.everywhere(lambda: prepare(args))
-    results = {label: evaluate_drafter(args, target, label, drafter_paths[label], d, gammas[label], benches)
+    drafter_paths, baseline, benches, loaded, gammas, target = gather.everywhere(lambda: prepare(settings))
+    results = {label: evaluate_drafter(settings, target, label, drafter_paths[label], d, gammas[label], benches)
                for label, d in loaded.items()}
-    settings = {"target": target.name, "scheduler": "fixed", "temperature": args.temperature,
-                "max_new_tokens": args.max_new_tokens, "limit": args.limit, "batch_size": args.batch_size,
-                "seed": args.seed, "dtype": args.dtype, "gamma": args.gamma, "bins": args.bins,
-                "thresholds": args.thresholds}
+    chosen = {"target": target.name, "scheduler": "fixed", "temperature": settings.temperature,
+              "max_new_tokens": settings.max_new_tokens, "limit": settings.limit, "batch_size": settings.batch_size,
+              "seed": settings.seed, "dtype": settings.dtype, "gamma": settings.gamma, "bins": settings.bins,
+              "thresholds": list(settings.thresholds)}
     if gather.process_count() > 1:  # the numbers are those of one process: this is how they were made
-        settings["processes"] = gather.process_count()
+        chosen["processes"] = gather.process_count()
     report = {
-        "settings": settings,
+        "settings": chosen,
         "benchmarks": [{"name": b.name, "domain": b.domain, "source": b.source, "prompts": len(b.prompts)}
                        for b in benches],
         "drafters": results,
@@ -251,26 +285,26 @@ def evaluate(args) -> tuple[dict, list[Bench]]:
     return to_jsonable(report), benches
 
 
-def prepare(args):
+def prepare(settings: EvalSettings):
     """Everything before decoding, checked before the target loads: (drafter paths by label, the
     baseline's label, the benchmarks, the loaded drafters, their gamma, the target)."""
-    drafter_paths = parse_drafters(args.drafters)
-    baseline = args.baseline or next(iter(drafter_paths))
+    drafter_paths = parse_drafters(settings.drafters)
+    baseline = settings.baseline or next(iter(drafter_paths))
     if baseline not in drafter_paths:
         raise UserError(f"--baseline {baseline!r} is not one of the drafters ({', '.join(drafter_paths)})")
-    benches = load_benches(args)
+    benches = load_benches(settings)
 
     from dspark_jax.checkpoints import registry
     from dspark_jax.drafters.checkpoint import load_drafter, read_drafter_config
 
     configs = {label: read_drafter_config(path) for label, path in drafter_paths.items()}  # their JSON only
-    gammas = {label: drafter_gamma(args, label, dcfg) for label, dcfg in configs.items()}
+    gammas = {label: drafter_gamma(settings, label, dcfg) for label, dcfg in configs.items()}
     loaded = {label: load_drafter(path) for label, path in drafter_paths.items()}  # fail fast, before the target
-    target = registry.load_target(args.target, dtype=args.dtype)
+    target = registry.load_target(settings.target, dtype=settings.dtype)
     for d in loaded.values():
         d.config.check_target(target.config, target.name)
-    check_prompts(target, benches, args.max_new_tokens)
-    if len(set(gammas.values())) > 1 and not args.no_progress and gather.is_primary():
+    check_prompts(target, benches, settings.max_new_tokens)
+    if len(set(gammas.values())) > 1 and settings.progress and gather.is_primary():
         print(f"note: the drafters verify different gamma ({gammas}); pass --gamma for a like-for-like comparison",
               file=sys.stderr)
     return drafter_paths, baseline, benches, loaded, gammas, target

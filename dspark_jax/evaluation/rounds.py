@@ -42,7 +42,7 @@ def collect_rounds(target, loaded, prompts: list[str], *, max_new_tokens: int, t
     of the batches (batch b: process b % processes) and all return the rounds of every batch. A
     UserError on one process is raised on all."""
     from dspark_jax.engine.speculative import SpecConfig, speculative_generate
-    from dspark_jax.engine.sampling import SamplingConfig
+    from dspark_jax.models.sampling import SamplingConfig
 
     tok = target.tokenizer
     gamma = gamma or loaded.config.block_size

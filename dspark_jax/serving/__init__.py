@@ -7,5 +7,6 @@
 * `simulator`: the steady-state round loop over the engine's real scheduler functions;
 * `validation`: the simulator against a measured bench_serving run;
 * `report`: JSON, Markdown and PNG outputs;
-* `runs`: the command's runs (simulate, record, validate) from its flags.
+* `settings`: the command's settings (one frozen value per subcommand, each flag's field);
+* `runs`: the command's runs (simulate, record, validate) from those settings.
 """

@@ -189,7 +189,7 @@ def record_rounds(*, drafter: str, target: str, prompts: int, max_new_tokens: in
     from dspark_jax.checkpoints.registry import default_drafter_path, load_target
     from dspark_jax.drafters.checkpoint import load_drafter
     from dspark_jax.engine.speculative import SpecConfig, speculative_generate
-    from dspark_jax.engine.sampling import SamplingConfig
+    from dspark_jax.models.sampling import SamplingConfig
 
     tgt = load_target(target)
     if drafter == "default":

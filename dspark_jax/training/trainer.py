@@ -265,7 +265,7 @@ def load_data(folder: str):
     """The ShardSource of a datagen folder, or of every datagen folder inside `folder` (one level,
     in name order: e.g. greedy and sampled responses of the same prompts); a UserError if there is
     none."""
-    from dspark_jax.data.datagen import MANIFEST
+    from dspark_jax.data.shards import MANIFEST
     from dspark_jax.data.pipeline import ShardSource
 
     if not files.is_dir(folder):
