@@ -109,7 +109,8 @@ def eagle3_drafter():
 def test_a_run_of_plain_steps_leaves_the_drafter_where_single_steps_do(kind, sampling):
     """A run of k plain steps commits its anchors' features to the drafter at the end, all at once:
     the drafter's context (its cache over the committed positions, and Eagle3's carried feature)
-    must be what k one-step runs leave, for rows that finish inside the run too."""
+    must be what k one-step runs leave, for a row that finishes inside a run too (which ends that
+    run: its slot is refilled at once under continuous batching)."""
     from dspark_jax.engine import speculative as S
     from dspark_jax.engine.generate import flatten_prompts, pad_prompts
 
@@ -125,10 +126,13 @@ def test_a_run_of_plain_steps_leaves_the_drafter_where_single_steps_do(kind, sam
     statics = dict(tcfg=TCFG, dcfg=dcfg, cfg=cfg)
     copy = lambda tree: jax.tree.map(lambda a: a.copy(), tree)  # noqa: E731  (the step donates its state)
     batched, stats = S.spec_plain(TARGET, dparams, copy(state), np.int32(7), **statics)
+    # the run ends with the step in which the second row finishes (a server refills its slot at once) ...
+    np.testing.assert_array_equal(stats.active, [3, 3, 3])  # steps each row took
+    batched, stats = S.spec_plain(TARGET, dparams, batched, np.int32(4), **statics)
+    np.testing.assert_array_equal(stats.active, [4, 0, 4])  # ... and the next one runs the others on
     stepped = copy(state)
     for _ in range(7):
         stepped, _ = S.spec_plain(TARGET, dparams, stepped, np.int32(1), **statics)
-    np.testing.assert_array_equal(stats.active, [7, 3, 7])  # steps each row took
     np.testing.assert_array_equal(batched.output, stepped.output)
     a, b = batched.draft, stepped.draft
     np.testing.assert_array_equal(a.cache.lengths, b.cache.lengths)

@@ -239,7 +239,7 @@ def plain_and_commit(target_params, dparams, state: SpecState, *, tcfg: ModelCon
 def plain_steps(target_params, dparams, state: SpecState, steps, *, tcfg: ModelConfig, dcfg: DrafterConfig,
                 cfg: SpecConfig) -> tuple[SpecState, RoundStats]:
     """Up to `steps` <= MAX_PLAIN_RUN (a traced int: one program serves every run length) plain
-    target steps in one program, stopping early once every row is done, so a run of them costs what
+    target steps in one program, stopping early once a row finishes, so a run of them costs what
     plain decoding's chunks cost: no host round trip per token. The anchors' features go to the
     drafter's context after the run, all at once, as one round committing them would (a round
     drafts from the whole prefix); committing them step by step streamed the drafter's context
@@ -247,10 +247,13 @@ def plain_steps(target_params, dparams, state: SpecState, steps, *, tcfg: ModelC
     B = state.anchor.shape[0]
     tap_shape = jax.eval_shape(lambda s: plain_and_commit(target_params, dparams, s, tcfg=tcfg, dcfg=dcfg,
                                                           cfg=cfg)[1], state)
+    decoding = ~state.done
 
+    # The run ends once a row that was decoding finishes: under continuous batching its slot is then
+    # refilled at once (as plain serving's chunks do) instead of idling to the end of the run.
     def more(carry):
         i, s = carry[:2]
-        return (i < jnp.minimum(steps, MAX_PLAIN_RUN)) & ~jnp.all(s.done)
+        return (i < jnp.minimum(steps, MAX_PLAIN_RUN)) & ~jnp.any(s.done & decoding) & ~jnp.all(s.done)
 
     def step(carry):
         i, s, took, anchors, taps = carry
@@ -308,7 +311,7 @@ def spec_round(target_params, dparams, state: SpecState, temperatures, *, tcfg: 
 spec_draft = jax.jit(draft_and_schedule, static_argnames=_STATIC)
 spec_verify = jax.jit(verify_and_commit, static_argnames=_STATIC + ("bucket",), donate_argnames=("state",))
 spec_plain = jax.jit(plain_steps, static_argnames=_STATIC, donate_argnames=("state",))
-MAX_PLAIN_RUN = 16  # plain steps one call runs at most (a row that finishes idles until the call ends)
+MAX_PLAIN_RUN = 16  # plain steps one call runs at most (fewer once a row finishes)
 
 
 @dataclasses.dataclass
