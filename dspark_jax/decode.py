@@ -60,9 +60,27 @@ def summary_line(s: dict) -> str:
     return line
 
 
+def compile_check(settings: DecodeSettings) -> int:
+    """--compile-for: the engine's programs compiled for a TPU slice; nothing is decoded."""
+    from dspark_jax.serving.tpu_compile import format_reports
+    from dspark_jax.training.compile_check import decode_check
+
+    reports, tpu, about = decode_check(settings)
+    if settings.json:
+        print(json.dumps({"compiled": about, "programs": [r.as_dict() for r in reports]}))
+    else:
+        print(f"{about['target']} ({about['target_shapes']}) with {about['drafter']}, {about['rows']} request slots, "
+              f"{about['prompt_tokens']} + {about['max_new_tokens']} tokens, {about['dtype']}, scheduler "
+              f"{about['scheduler']}, gamma {about['gamma']}")
+        print(format_reports(reports, tpu))
+    return 0 if all(r.fits for r in reports) else 1
+
+
 @run_cli
 def main(argv: list[str] | None = None) -> int:
     settings, processes = parse_args(argv)
+    if settings.compile_for:
+        return compile_check(settings)
     runtime.initialize(processes)  # before anything touches devices
     summary = offline.decode_prompts(settings)
     if gather.is_primary():

@@ -12,6 +12,7 @@ from safetensors.numpy import load_file, save_file
 
 from dspark_jax.checkpoints.hf import load_hf_model
 from dspark_jax.drafters import dspark
+from dspark_jax.drafters.checkpoint import drafter_logical_axes
 from dspark_jax.drafters.deepspec import load_deepspec_drafter
 from dspark_jax.core.errors import UserError
 from dspark_jax.models import decoder
@@ -96,8 +97,9 @@ def test_param_shapes_and_init(drafters):
         assert shapes == jax.tree.map(tuple, dspark.drafter_param_shapes(dcfg),
                                       is_leaf=lambda x: isinstance(x, tuple))
         is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
-        assert (jax.tree.structure(dspark.drafter_param_logical_axes(dcfg), is_leaf=is_axes)
-                == jax.tree.structure(dspark.drafter_param_shapes(dcfg), is_leaf=is_axes))
+        axes = drafter_logical_axes(params)  # every parameter named, with one axis name per dimension
+        assert jax.tree.structure(axes, is_leaf=is_axes) == jax.tree.structure(params)
+        assert all(len(a) == np.ndim(p) for a, p in zip(jax.tree.leaves(axes, is_leaf=is_axes), jax.tree.leaves(params)))
     # The RNN variant has every parameter kind; eval_shape traces init without compiling it.
     init = jax.eval_shape(dspark.init_drafter_params, dcfg, jax.random.key(0))
     assert jax.tree.map(lambda a: a.shape, init) == shapes

@@ -22,7 +22,8 @@ from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.training import plan as planmod
 from dspark_jax.training.config import DataConfig, OptimConfig, RunConfig, TrainConfig, load_config
-from dspark_jax.training.trainer import drafter_logical_axes, make_optimizer, make_train_step
+from dspark_jax.drafters.checkpoint import drafter_logical_axes
+from dspark_jax.training.trainer import make_optimizer, make_train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN3_8B = os.path.join(ROOT, "configs", "dspark_qwen3-8b.yaml")

@@ -360,3 +360,27 @@ def test_the_flat_prefill_gives_the_drafter_the_padded_prefill_s_context():
         np.testing.assert_allclose(flat_cache.k[:, row, :n], padded.k[:, row, :n], rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(flat_cache.v[:, row, :n], padded.v[:, row, :n], rtol=1e-6, atol=1e-6)
         assert np.abs(np.asarray(flat_cache.k[:, row, :n])).max() > 0
+
+
+@pytest.mark.parametrize("policy", ["fixed", "dspark"])
+def test_programs_traced_for_a_tpu_decode_the_same_tokens(policy):
+    """The TPU's trace-time choices (stacked layers, keys laid out like values, the drafter's context
+    heads-major, no CPU kernels), run here on the CPU, decode the tokens the CPU's programs decode:
+    the layouts a TPU compile check sees are the same computation, not a second one that may drift."""
+    from dspark_jax.core.platform import tracing_for
+    from dspark_jax.drafters.dspark import context_heads_major
+
+    dcfg, dparams = drafter("markov")
+    cfg = SpecConfig(gamma=4, policy=policy, sps=SPS)
+    want = generate(TARGET, TCFG, PROMPTS, max_new_tokens=30).token_ids
+    cpu = speculative_generate(TARGET, TCFG, dparams, dcfg, PROMPTS, max_new_tokens=30, cfg=cfg)
+    jax.clear_caches()  # jit's trace cache is keyed on shardings, which are the CPU's either way
+    try:
+        with tracing_for("tpu"):
+            assert not decoder.keys_transposed() and context_heads_major()
+            assert generate(TARGET, TCFG, PROMPTS, max_new_tokens=30).token_ids == want
+            tpu = speculative_generate(TARGET, TCFG, dparams, dcfg, PROMPTS, max_new_tokens=30, cfg=cfg)
+    finally:
+        jax.clear_caches()
+    assert tpu.token_ids == want == cpu.token_ids
+    np.testing.assert_array_equal(tpu.acceptance_lengths(), cpu.acceptance_lengths())

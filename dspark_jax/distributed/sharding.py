@@ -82,9 +82,10 @@ def param_shardings(mesh: Mesh, cfg, layout: str = "stacked") -> dict:
 
 
 def cache_shardings(mesh: Mesh, cache):
-    from dspark_jax.models.decoder import KVCache
+    from dspark_jax.models.decoder import KVCache, keys_transposed
 
-    k_axes, v_axes = ("batch", "kv_heads", "head_dim", "seq"), ("batch", "kv_heads", "seq", "head_dim")
+    v_axes = ("batch", "kv_heads", "seq", "head_dim")
+    k_axes = ("batch", "kv_heads", "head_dim", "seq") if keys_transposed() else v_axes
     if not isinstance(cache.k, tuple):
         k_axes, v_axes = ("layers",) + k_axes, ("layers",) + v_axes
 

@@ -67,6 +67,29 @@ def param_shapes(cfg: DrafterConfig) -> dict:
     return drafter_param_shapes(cfg)
 
 
+def drafter_logical_axes(params: dict) -> dict:
+    """Logical axes of a drafter's params by name (see distributed.sharding.LOGICAL_TO_MESH), as
+    trained and as decoded (a draft vocabulary's head and Markov rows split over the vocabulary like
+    the target's head); a name not listed stays whole."""
+    import jax
+
+    layer_axes = {"wq": ("layers", "embed", "heads"), "wk": ("layers", "embed", "kv_heads"),
+                  "wv": ("layers", "embed", "kv_heads"), "wo": ("layers", "heads", "embed"),
+                  "w_gate": ("layers", "embed", "mlp"), "w_up": ("layers", "embed", "mlp"),
+                  "w_down": ("layers", "mlp", "embed")}
+    top = {"fc": (None, "embed"), "w1": ("vocab", None), "w2": (None, "vocab"), "draft_head": ("vocab", None),
+           "draft_markov": ("vocab", None)}
+
+    def axes(path, leaf):
+        name = path[-1].key
+        if path[0].key == "layers" and not isinstance(path[1], jax.tree_util.SequenceKey):
+            return layer_axes.get(name, ("layers",) + (None,) * (leaf.ndim - 1))
+        found = top.get(name)
+        return found if found is not None and len(found) == leaf.ndim else (None,) * leaf.ndim
+
+    return jax.tree_util.tree_map_with_path(axes, params)
+
+
 @dataclasses.dataclass
 class LoadedDrafter:
     config: DrafterConfig

@@ -59,6 +59,7 @@ import numpy as np
 
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.core.errors import UserError
+from dspark_jax.core.platform import traced_for_cpu
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.models.sampling import SamplingConfig, processed_log_probs, sample
@@ -104,16 +105,6 @@ def drafter_param_shapes(dcfg: DrafterConfig) -> dict:
     if dcfg.confidence:
         shapes["confidence"] = {"w": (confidence_input_size(dcfg),), "b": ()}
     return shapes
-
-
-def drafter_param_logical_axes(dcfg: DrafterConfig) -> dict:
-    """Logical axis names of every parameter (see dspark_jax/distributed/sharding.py)."""
-    axes = {"fc": (None, "embed"), "hidden_norm": ("embed",), "final_norm": ("embed",),
-            "layers": decoder.param_logical_axes(dcfg.layer_config())["layers"],
-            "markov": {"w1": ("vocab", None), "w2": (None, "vocab")},
-            "rnn": {"w": (None, None), "b": (None,)},
-            "confidence": {"w": (None,), "b": ()}}
-    return {k: axes[k] for k in drafter_param_shapes(dcfg)}
 
 
 @functools.partial(jax.jit, static_argnames=("dcfg", "scale", "dtype"))
@@ -464,17 +455,34 @@ def train_forward(dparams: dict, dcfg: DrafterConfig, target_params: dict, targe
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DrafterCache:
-    k: jax.Array  # [draft layers, batch, max_len, kv_heads, head_dim]: projected context keys
+    # [draft layers, batch, max_len, kv_heads, head_dim] (kv_heads before max_len where
+    # `context_heads_major`): projected context keys and values
+    k: jax.Array
     v: jax.Array
     lengths: jax.Array  # [batch] int32: context tokens (committed tokens with a target feature)
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3 if context_heads_major() else 2]
+
+    def layer(self, i) -> tuple[jax.Array, jax.Array]:
+        """Draft layer i's context keys and values, [B, max_len, kv_heads, head_dim] each."""
+        if context_heads_major():
+            return self.k[i].swapaxes(1, 2), self.v[i].swapaxes(1, 2)
+        return self.k[i], self.v[i]
+
+
+def context_heads_major() -> bool:
+    """The context cache's layout when decoding: [L, B, S, Hkv, D] on a CPU (as attention reads it);
+    elsewhere heads before positions, [L, B, Hkv, S, D]: with a chip's one or two KV heads in the
+    minor dimensions, the TPU's (8, 128) tiles pad them eightfold, and the compiler copied the whole
+    cache to another layout in and out of every program (1.3 GB a step per chip at batch 32)."""
+    return not traced_for_cpu()
 
 
 def init_drafter_cache(dcfg: DrafterConfig, batch: int, max_len: int, dtype=jnp.float32) -> DrafterCache:
-    shape = (dcfg.num_layers, batch, max_len, dcfg.num_kv_heads, dcfg.head_dim)
+    L, H, D = dcfg.num_layers, dcfg.num_kv_heads, dcfg.head_dim
+    shape = (L, batch, H, max_len, D) if context_heads_major() else (L, batch, max_len, H, D)
     return DrafterCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
 
@@ -512,8 +520,15 @@ def _write_context(dparams: dict, dcfg: DrafterConfig, cache: DrafterCache, ctx_
                                                       for lp in dparams["layers"])))
     else:
         k_new, v_new = jax.vmap(lambda lp: _project_context(lp, lcfg, h_ctx, positions))(dparams["layers"])
-    k = cache.k.at[:, rows, positions].set(k_new.astype(cache.k.dtype), mode="drop")
-    v = cache.v.at[:, rows, positions].set(v_new.astype(cache.v.dtype), mode="drop")
+    if not context_heads_major():
+        k = cache.k.at[:, rows, positions].set(k_new.astype(cache.k.dtype), mode="drop")
+        v = cache.v.at[:, rows, positions].set(v_new.astype(cache.v.dtype), mode="drop")
+        return k, v
+    # One write per layer: a write across the layers made the TPU compiler lay the cache out again.
+    k, v = cache.k, cache.v
+    for layer in range(dcfg.num_layers):
+        k = k.at[layer, rows, :, positions].set(k_new[layer].astype(k.dtype), mode="drop")
+        v = v.at[layer, rows, :, positions].set(v_new[layer].astype(v.dtype), mode="drop")
     return k, v
 
 
@@ -546,7 +561,7 @@ def propose(dparams: dict, dcfg: DrafterConfig, target_params: dict, target_cfg:
     block_positions = (cache.lengths[:, None] + offsets)[:, None]
     ctx_visible = (jnp.arange(cache.max_len) < cache.lengths[:, None])[:, None, :]  # keys < p
     hidden = _backbone(dparams, dcfg, target_params, block_tokens, block_positions,
-                       lambda lp, layer: (cache.k[layer], cache.v[layer]), ctx_visible)[:, 0]
+                       lambda lp, layer: cache.layer(layer), ctx_visible)[:, 0]
     base = draft_space_logits(dparams, dcfg, target_params, target_cfg, hidden)  # [B, g, N or V]
     ids = jnp.asarray(dcfg.draft_vocab, jnp.int32) if dcfg.draft_vocab_size else None
 

@@ -287,7 +287,7 @@ def _extend(params, dcfg, target_params, cache: Eagle3Cache, g, next_tokens, num
         k_layer, v_layer = layer_cache
         k_layer = k_layer.at[rows, positions].set(k.astype(k_layer.dtype), mode="drop")
         v_layer = v_layer.at[rows, positions].set(v.astype(v_layer.dtype), mode="drop")
-        return decoder.attention(q, decoder.transposed_keys(k_layer), decoder.heads_major(v_layer), visible), (k_layer, v_layer)
+        return decoder.attention(q, decoder.cached_keys(k_layer), decoder.heads_major(v_layer), visible), (k_layer, v_layer)
 
     embeds = dspark.target_embed(target_params, dcfg, next_tokens, g.dtype)
     h, (k, v) = _run_layers(params, dcfg, embeds, g, positions, attend, (cache.k, cache.v))

@@ -80,6 +80,17 @@ class DecodeSettings:
                                                 "speedup in the summary (default: on for readable output with a "
                                                 "drafter, off with --json or --output)")
 
+    # ---- the TPU compile check (decodes nothing)
+    compile_for: str | None = setting(
+        None, metavar="ACCELERATOR_TYPE",
+        doc="compile the engine's programs for this Cloud TPU slice (e.g. v5e-8, v6e-8, v5p-8) from the target's "
+            "and the drafter's shapes alone (no weights; libtpu needed, JAX_PLATFORMS=cpu) and print, per program "
+            "and chip, the compiler's memory against HBM, its collectives, flops, HBM bytes and roofline time; "
+            "--drafter may then also be a training config (configs/*.yaml), --target a config.json folder or a "
+            "known name (qwen3-8b)")
+    compile_prompt_tokens: int = setting(1024, ge=1, doc="--compile-for: each request's prompt tokens (its KV cache "
+                                                         "holds them and --max-new-tokens)")
+
     def __post_init__(self):
         validate(self)
 

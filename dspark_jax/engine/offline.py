@@ -434,12 +434,12 @@ def readable(record: dict) -> str:
 
 # ----------------------------------------------------------------------------- processes
 
-def shard_target(target) -> dict:
+def shard_target(target):
     """The tensor layout: the target's params placed on one (data=1, fsdp=1, tensor=all devices)
     mesh spanning every process, as `distributed.sharding` maps their logical axes (a dimension
     the tensor axis does not divide stays whole). The jitted engine then runs on the sharded
     params as they are: XLA inserts the collectives, and every process gets the same tokens.
-    Returns the mesh's shape."""
+    Returns the mesh."""
     import jax
 
     from dspark_jax.distributed import sharding
@@ -448,7 +448,20 @@ def shard_target(target) -> dict:
     mesh = sharding.make_mesh(tensor=-1)
     shardings = sharding.param_shardings(mesh, target.config, decoder.layout_of(target.params))
     target.params = jax.device_put(target.params, shardings)
-    return dict(mesh.shape)
+    return mesh
+
+
+def shard_drafter(speculative, mesh) -> None:
+    """The drafter's decoding params split over the tensor layout's mesh as the target's are (by
+    their logical axes): replicated, every chip would read the whole drafter each round."""
+    import jax
+
+    from dspark_jax.distributed import sharding
+    from dspark_jax.drafters.checkpoint import drafter_logical_axes
+
+    params = speculative.dparams
+    shapes = jax.tree.map(lambda a: tuple(a.shape), params)
+    speculative.dparams = jax.device_put(params, sharding.tree_shardings(mesh, drafter_logical_axes(params), shapes))
 
 
 TOTALS = ("wall_s", "compile_s", "tokens", "rounds", "tau_sum", "plain_steps")
@@ -521,6 +534,8 @@ def decode_prompts(settings: DecodeSettings) -> dict:
             tokenize(settings, target, todo)  # all of them on every process: an error is the same everywhere
             mine = gather.share(todo) if layout == "data" else todo
             speculative = None if settings.drafter == "none" else load_speculative(settings, target)
+            if speculative is not None and mesh is not None:
+                shard_drafter(speculative, mesh)
             sampling = SamplingConfig(settings.temperature, settings.top_k, settings.top_p)
             seed = settings.seed if not done else derived_seed(settings.seed, "resume", len(done))
             if layout == "data" and gather.process_index() > 0:  # its own random numbers
@@ -575,7 +590,7 @@ def decode_prompts(settings: DecodeSettings) -> dict:
     elif layout != "data":
         summary["layout"] = layout
     if mesh is not None:
-        summary["mesh"] = mesh
+        summary["mesh"] = dict(mesh.shape)
     if speculative is not None:
         summary.update(scheduler=settings.scheduler, gamma=settings.gamma, plain_steps=totals["plain_steps"],
                        rounds=totals["rounds"],

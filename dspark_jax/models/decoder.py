@@ -194,8 +194,31 @@ class KVCache:
         return 0 if isinstance(self.k, tuple) else 1
 
 
+def keys_transposed() -> bool:
+    """Whether the KV cache holds keys transposed, [B, Hkv, D, S], where values are [B, Hkv, S, D].
+    On a CPU our decode-attention kernel reads keys so (a query's scores are products of contiguous
+    rows); traced for another platform keys are laid out like values: with transposed keys the TPU
+    compiler transposed each layer's whole cache (twice a layer and step) to write one token's keys."""
+    return traced_for_cpu()
+
+
+def key_seq_axis() -> int:
+    """The sequence axis of a layer's cached keys [B, Hkv, ., .]."""
+    return 3 if keys_transposed() else 2
+
+
+def cached_keys(x: jax.Array) -> jax.Array:
+    """Keys [B, T, Hkv, D] (as projected) -> as the cache holds them."""
+    return transposed_keys(x) if keys_transposed() else heads_major(x)
+
+
+def key_index(rows, positions) -> tuple:
+    """The index of cached keys [B, Hkv, ., .] at (rows, positions): keys [..., Hkv, D] go there."""
+    return (rows, slice(None), slice(None), positions) if keys_transposed() else (rows, slice(None), positions)
+
+
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, layout: str = "stacked") -> KVCache:
-    k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, max_len)
+    k_shape = (batch, cfg.num_kv_heads) + ((cfg.head_dim, max_len) if keys_transposed() else (max_len, cfg.head_dim))
     v_shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     if layout == "per_layer":
         k = tuple(jnp.zeros(k_shape, cfg.dtype) for _ in range(cfg.num_layers))
@@ -219,6 +242,15 @@ def layer_set(kv, i, value):
     if isinstance(kv, tuple):
         return kv[:i] + (value,) + kv[i + 1:]
     return jax.lax.dynamic_update_index_in_dim(kv, value, i, 0)
+
+
+def layer_write(kv, i, index: tuple, value):
+    """kv with `value` written at `index` of layer i (writes past the end dropped). A stack takes
+    the write in place, at (i, *index): slicing the layer out, writing into it and setting it back
+    makes the TPU compiler copy the layer's whole cache twice per layer and step."""
+    if isinstance(kv, tuple):
+        return layer_set(kv, i, kv[i].at[index].set(value, mode="drop"))
+    return kv.at[(i,) + index].set(value, mode="drop")
 
 
 def param_shapes(cfg: ModelConfig, layout: str = "stacked") -> dict:
@@ -377,23 +409,30 @@ def ungrouped(out: jax.Array, T: int) -> jax.Array:
     return out.reshape(B, kv_heads, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, kv_heads * G * D)
 
 
-def attention(q: jax.Array, k_t: jax.Array, v: jax.Array, visible: jax.Array, scale: float | None = None) -> jax.Array:
-    """Grouped-query attention. q: [B, T, H, D]; k_t: [B, Hkv, D, S] and v: [B, Hkv, S, D], as the
-    cache holds them; visible: [B, T, S] bool; scale: of the scores (default head_dim ** -0.5)."""
+def key_scores(q: jax.Array, k: jax.Array) -> jax.Array:
+    """q [..., Q, D] . cached keys [..., D, S] or [..., S, D] (`keys_transposed`) -> fp32 [..., Q, S]."""
+    return jnp.einsum("...qd,...ds->...qs" if keys_transposed() else "...qd,...sd->...qs", q, k,
+                      preferred_element_type=jnp.float32)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float | None = None) -> jax.Array:
+    """Grouped-query attention. q: [B, T, H, D]; k: [B, Hkv, D, S] (`keys_transposed`) or [B, Hkv,
+    S, D] and v: [B, Hkv, S, D], as the cache holds them; visible: [B, T, S] bool; scale: of the
+    scores (default head_dim ** -0.5)."""
     B, T, H, D = q.shape
-    kv_heads = k_t.shape[1]
+    kv_heads = k.shape[1]
     scale = D ** -0.5 if scale is None else scale
-    scores = jnp.einsum("bkqd,bkds->bkqs", grouped_queries(q, kv_heads), k_t, preferred_element_type=jnp.float32) * scale
+    scores = key_scores(grouped_queries(q, kv_heads), k) * scale
     mask = jnp.repeat(visible, H // kv_heads, axis=1)[:, None]  # rows ordered (t, g) like q's
     probs = jax.nn.softmax(jnp.where(mask, scores, -1e30), axis=-1).astype(v.dtype)
     out = jnp.einsum("bkqs,bksd->bkqd", probs, v, preferred_element_type=jnp.float32)
     return ungrouped(out, T).astype(q.dtype)
 
 
-def cache_attention(q: jax.Array, k_t: jax.Array, v: jax.Array, q_positions: jax.Array, scale: float | None = None,
+def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, scale: float | None = None,
                     window=None) -> jax.Array:
-    """Causal attention of queries at absolute `q_positions` [B, T] over a KV cache k_t
-    [B, Hkv, D, S], v [B, Hkv, S, D]: a key at position s is visible to a query at position t iff s <= t (and, with
+    """Causal attention of queries at absolute `q_positions` [B, T] over a KV cache k (see
+    `attention`), v [B, Hkv, S, D]: a key at position s is visible to a query at position t iff s <= t (and, with
     a `window`, t - window < s).
 
     On a CPU, fp32 decode steps and verify passes run our kernel (`cpu_kernels.decode_attention`),
@@ -401,12 +440,12 @@ def cache_attention(q: jax.Array, k_t: jax.Array, v: jax.Array, q_positions: jax
     furthest query (`chunked_attention`); several rows take one masked pass over the whole cache,
     since on XLA CPU slicing chunks out of a batch of caches costs more than the keys it skips
     (measured: 6.7 vs 3.2 ms a layer at 32 rows)."""
-    if cpu_kernels.attention_usable(q, k_t, v):
-        return cpu_kernels.decode_attention(q, k_t, v, q_positions, q.shape[-1] ** -0.5 if scale is None else scale,
+    if cpu_kernels.attention_usable(q, k, v):
+        return cpu_kernels.decode_attention(q, k, v, q_positions, q.shape[-1] ** -0.5 if scale is None else scale,
                                             window)
     if q.shape[0] == 1:
-        return chunked_attention(q, k_t, v, q_positions, scale=scale, window=window)
-    return attention(q, k_t, v, key_visible(jnp.arange(v.shape[2], dtype=jnp.int32)[None, None, :],
+        return chunked_attention(q, k, v, q_positions, scale=scale, window=window)
+    return attention(q, k, v, key_visible(jnp.arange(v.shape[2], dtype=jnp.int32)[None, None, :],
                                             q_positions[:, :, None], window), scale)
 
 
@@ -423,12 +462,14 @@ def softmax_start(rows: tuple, D: int) -> tuple:
     return jnp.full(rows + (1,), -1e30, f32), jnp.zeros(rows + (1,), f32), jnp.zeros(rows + (D,), f32)
 
 
-def softmax_fold(state: tuple, q: jax.Array, k_t: jax.Array, v: jax.Array, visible: jax.Array, scale: float) -> tuple:
-    """Fold keys k_t [..., D, C] / values v [..., C, D] into the running softmax of queries q
-    [..., Q, D]; visible broadcasts to [..., Q, C]."""
+def softmax_fold(state: tuple, q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float,
+                 keys_t: bool = True) -> tuple:
+    """Fold keys k [..., D, C] (keys_t) or [..., C, D] / values v [..., C, D] into the running
+    softmax of queries q [..., Q, D]; visible broadcasts to [..., Q, C]."""
     running_max, denom, acc = state
     f32 = jnp.float32
-    scores = jnp.where(visible, jnp.einsum("...qd,...ds->...qs", q, k_t, preferred_element_type=f32) * scale, -1e30)
+    scores = jnp.einsum("...qd,...ds->...qs" if keys_t else "...qd,...sd->...qs", q, k, preferred_element_type=f32)
+    scores = jnp.where(visible, scores * scale, -1e30)
     new_max = jnp.maximum(running_max, scores.max(-1, keepdims=True))
     # A query none of whose keys is in this chunk yet adds exp(0)-weighted junk here, which the
     # rescale by exp(-1e30 - real max) zeroes at its first visible key (its own is always one).
@@ -443,7 +484,7 @@ def softmax_result(state: tuple) -> jax.Array:
     return acc / denom
 
 
-def chunked_attention(q: jax.Array, k_t: jax.Array, v: jax.Array, q_positions: jax.Array, chunk: int = 256,
+def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, chunk: int = 256,
                       scale: float | None = None, window=None) -> jax.Array:
     """`cache_attention` reading keys only up to the furthest query position (and, with a
     window, from the earliest key the nearest query can see).
@@ -451,7 +492,7 @@ def chunked_attention(q: jax.Array, k_t: jax.Array, v: jax.Array, q_positions: j
     Keys are visited in chunks (a `fori_loop` over a running softmax), as many as the queries
     need, so a step costs what the context holds, not what the cache could hold: decoding
     the 2,048th token of a long cache reads 2,048 keys, the 64th reads one chunk, and a local
-    layer reads its window. Equal to `attention(q, k_t, v, key_visible(...))` up to float rounding."""
+    layer reads its window. Equal to `attention(q, k, v, key_visible(...))` up to float rounding."""
     B, T, H, D = q.shape
     kv_heads, S = v.shape[1], v.shape[2]
     G = H // kv_heads
@@ -467,9 +508,9 @@ def chunked_attention(q: jax.Array, k_t: jax.Array, v: jax.Array, q_positions: j
         start = jnp.minimum(c * chunk, S - chunk)  # the last chunk ends at S and overlaps the one before,
         key_pos = start + jnp.arange(chunk, dtype=jnp.int32)
         fresh = key_pos >= c * chunk  # so keys an earlier chunk already counted are masked
-        return softmax_fold(state, qg, jax.lax.dynamic_slice_in_dim(k_t, start, chunk, axis=3),
+        return softmax_fold(state, qg, jax.lax.dynamic_slice_in_dim(k, start, chunk, axis=key_seq_axis()),
                             jax.lax.dynamic_slice_in_dim(v, start, chunk, axis=2),
-                            fresh & key_visible(key_pos, q_pos, window), scale)
+                            fresh & key_visible(key_pos, q_pos, window), scale, keys_transposed())
 
     state = jax.lax.fori_loop(first_chunk, num_chunks, visit, softmax_start((B, kv_heads, T * G), D))
     return ungrouped(softmax_result(state), T).astype(q.dtype)
@@ -648,12 +689,12 @@ def forward(
     rows = jnp.arange(B)[:, None]
 
     def attend(lp, q, k_new, v_new, kv, i):
-        k_all, v_all = kv
         # Scatter the new keys/values at each row's own positions; past the end is dropped.
-        k_layer = layer_get(k_all, i).at[rows, :, :, positions].set(k_new, mode="drop")
-        v_layer = layer_get(v_all, i).at[rows, :, positions].set(v_new, mode="drop")
-        out = cache_attention(q, k_layer, v_layer, positions, cfg.attention_scale, layer_window(cfg, i))
-        return out, (layer_set(k_all, i, k_layer), layer_set(v_all, i, v_layer))
+        k_all = layer_write(kv[0], i, key_index(rows, positions), k_new)
+        v_all = layer_write(kv[1], i, (rows, slice(None), positions), v_new)
+        out = cache_attention(q, layer_get(k_all, i), layer_get(v_all, i), positions, cfg.attention_scale,
+                              layer_window(cfg, i))
+        return out, (k_all, v_all)
 
     cos, sin = rope_tables(cfg, positions)
     x = embed(params, cfg, tokens)
@@ -748,18 +789,18 @@ def forward_flat(
     padded_pos = cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)[None]  # [R, width]
 
     def attend(lp, q, k_new, v_new, kv, i):
-        k_all, v_all = kv
-        k_layer = layer_get(k_all, i).at[write_rows, :, :, positions].set(k_new[0], mode="drop")  # [R, Hkv, D, S]
-        v_layer = layer_get(v_all, i).at[write_rows, :, positions].set(v_new[0], mode="drop")  # [R, Hkv, S, D]
+        k_all = layer_write(kv[0], i, key_index(write_rows, positions), k_new[0])
+        v_all = layer_write(kv[1], i, (write_rows, slice(None), positions), v_new[0])
         if prefill:
             out = prefill_attention(q[0], k_new[0], v_new[0], rows, positions, valid, cfg.attention_scale,
                                     layer_window(cfg, i))[None]
-            return out, (layer_set(k_all, i, k_layer), layer_set(v_all, i, v_layer))
+            return out, (k_all, v_all)
+        k_layer, v_layer = layer_get(k_all, i), layer_get(v_all, i)  # [R, Hkv, ., .], [R, Hkv, S, D]
         q_padded = jnp.zeros((R, width) + q.shape[2:], q.dtype).at[write_rows, slot].set(q[0], mode="drop")
         out = cache_attention(q_padded, k_layer, v_layer, padded_pos, cfg.attention_scale,
                               layer_window(cfg, i))  # [R, width, H*D]
         out = out.at[write_rows, slot].get(mode="fill", fill_value=0)[None]  # back to [1, N, H*D]
-        return out, (layer_set(k_all, i, k_layer), layer_set(v_all, i, v_layer))
+        return out, (k_all, v_all)
 
     cos, sin = rope_tables(cfg, positions[None])  # the flat tokens as one [1, N] "row"
     x = embed(params, cfg, tokens[None])

@@ -5,10 +5,10 @@ describes a slice's chips without any being present; a program jitted with shard
 devices and lowered from `ShapeDtypeStruct`s compiles with the TPU compiler on this CPU. Its
 `memory_analysis()` is what one chip needs (arguments, outputs, temporaries, generated code, less
 what outputs reuse of donated arguments), its text names the collectives the partitioner inserted,
-and `cost_analysis()` its flops and bytes (a while loop's body counted once, so with the layers or
-the micro-batches in a scan these are a fraction of the program's: `while_loops` says whether). The
-program must be traced with the TPU's choices (`core.platform.tracing_for("tpu")`), not this CPU
-process's.
+and `serving.hlo_cost` reads from that text its matmul flops and HBM bytes per execution with every
+loop's trip count (`cost_analysis()` counts a loop's body once), hence the time the program takes
+at the chip's roofline. The program must be traced with the TPU's choices
+(`core.platform.tracing_for("tpu")`), not this CPU process's.
 
 `tpu_slice("v5p-8")` parses a slice; `slice_devices(slice)` gives its devices; `program_report(name,
 compiled, slice)` the per-chip figures; `format_reports` a table.
@@ -27,6 +27,7 @@ from collections.abc import Iterator
 
 from dspark_jax.core.errors import UserError
 from dspark_jax.serving.hardware import ACCELERATORS, Accelerator
+from dspark_jax.serving.hlo_cost import program_cost
 
 # accelerator-type prefix -> (family of the topology name, hardware.ACCELERATORS key, TensorCores a
 # chip counts for in the type's number: v4 and v5p names count cores, v5e and v6e names chips)
@@ -97,9 +98,11 @@ def slice_devices(tpu: TpuSlice) -> list:
     missing = libtpu_missing()
     if missing:
         raise UserError(missing)
-    # Without these libtpu looks for the TPU VM's metadata server and prints warnings on stderr.
+    # Without these libtpu looks for the TPU VM's metadata server and prints warnings on stderr, and
+    # takes a lock that lets one process at a time load it (a second compile check, or a test worker
+    # beside another, would fail): with no TPU behind it, several processes may.
     for name, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
-                        ("TPU_ACCELERATOR_TYPE", tpu.accelerator_type)):
+                        ("TPU_ACCELERATOR_TYPE", tpu.accelerator_type), ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
         os.environ.setdefault(name, value)
     from jax.experimental import topologies
 
@@ -131,11 +134,14 @@ class ProgramReport:
     alias_bytes: int  # outputs written into donated arguments
     temp_bytes: int
     code_bytes: int
-    hbm_bytes: float
+    hbm_bytes: float  # the chip's
     collectives: dict  # kind -> count in the compiled program's text
-    while_loops: int  # scans left as loops: cost_analysis counts each body once
-    flops: float  # cost_analysis, bodies of while loops once
-    bytes_accessed: float
+    while_loops: int  # loops left in the program
+    dynamic_loops: int  # of which of a data-dependent length: counted once in the cost below
+    flops: float  # matmul flops per chip and execution, every loop body times its trip count (hlo_cost)
+    bytes_accessed: float  # HBM bytes read and written per chip and execution (hlo_cost)
+    peak_flops: float = 0.0  # the chip's
+    hbm_bytes_per_s: float = 0.0
 
     @property
     def per_chip_bytes(self) -> int:
@@ -146,28 +152,51 @@ class ProgramReport:
         """Within the chip's HBM less HBM_MARGIN."""
         return self.per_chip_bytes <= (1 - HBM_MARGIN) * self.hbm_bytes
 
+    @property
+    def roofline_s(self) -> float:
+        """The execution's time at the chip's roofline: its flops at peak or its bytes at full HBM
+        bandwidth, whichever takes longer."""
+        return max(self.flops / self.peak_flops, self.bytes_accessed / self.hbm_bytes_per_s)
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.flops / self.peak_flops >= self.bytes_accessed / self.hbm_bytes_per_s else "memory"
+
+    @property
+    def roofline_mfu(self) -> float:
+        """The model-flops utilisation a step taking `roofline_s` reaches: the most it can."""
+        return self.flops / (self.roofline_s * self.peak_flops) if self.roofline_s else 0.0
+
+    @property
+    def bytes_per_argument_byte(self) -> float:
+        """HBM bytes an execution moves per byte of its arguments (weights, caches, state): near 1
+        for a decode step that reads each weight and its caches once, above 1 where it copies them."""
+        return self.bytes_accessed / self.argument_bytes if self.argument_bytes else 0.0
+
     def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "per_chip_bytes": self.per_chip_bytes, "fits": self.fits}
+        return {**dataclasses.asdict(self), "per_chip_bytes": self.per_chip_bytes, "fits": self.fits,
+                "roofline_s": self.roofline_s, "bound": self.bound, "roofline_mfu": self.roofline_mfu}
 
 
 def program_report(name: str, compiled, tpu: TpuSlice) -> ProgramReport:
     """The per-chip figures of a program compiled for `tpu`'s devices."""
     memory = compiled.memory_analysis()
-    cost = compiled.cost_analysis() or {}
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     text = compiled.as_text()
     found = _COLLECTIVE.findall(text)
+    cost = program_cost(text)
     return ProgramReport(
         name=name, argument_bytes=int(memory.argument_size_in_bytes), output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
         code_bytes=int(memory.generated_code_size_in_bytes), hbm_bytes=tpu.chip.hbm_bytes,
         collectives={kind: found.count(kind) for kind in COLLECTIVES if kind in found},
-        while_loops=text.count(" while("),
-        flops=float(cost.get("flops", 0.0)), bytes_accessed=float(cost.get("bytes accessed", 0.0)))
+        while_loops=len(cost.loops), dynamic_loops=cost.dynamic_loops, flops=cost.flops,
+        bytes_accessed=cost.hbm_bytes, peak_flops=tpu.chip.peak_flops, hbm_bytes_per_s=tpu.chip.hbm_bytes_per_s)
 
 
 def format_reports(reports: list[ProgramReport], tpu: TpuSlice) -> str:
-    """A table: per program and chip, the compiler's memory against the chip's HBM, and its collectives."""
+    """Two tables, per program and chip: the compiler's memory against the chip's HBM and the
+    collectives; the execution's flops and HBM bytes (loops times their trip counts) and its time
+    at the roofline."""
     gb = lambda n: f"{n / 1e9:,.2f}"  # noqa: E731
     lines = [f"compiled by the TPU compiler for {tpu.accelerator_type} ({tpu.topology}: {tpu.chips} chips of "
              f"{gb(tpu.chip.hbm_bytes)} GB HBM; fits = within {1 - HBM_MARGIN:.0%} of it), per chip:",
@@ -177,4 +206,14 @@ def format_reports(reports: list[ProgramReport], tpu: TpuSlice) -> str:
         out = r.output_bytes - r.alias_bytes
         lines.append(f"  {r.name:<24} {gb(r.argument_bytes):>9} {gb(r.temp_bytes):>9} {gb(out):>8} "
                      f"{gb(r.per_chip_bytes):>9}  {'yes' if r.fits else 'NO':>4}  {collectives}")
+    lines += [f"per execution and chip ({tpu.chip.peak_flops / 1e12:.0f} TFLOP/s, {tpu.chip.hbm_bytes_per_s / 1e9:,.0f} "
+              "GB/s; matmul flops and HBM bytes with every loop's trip count; bytes/args: HBM bytes moved per "
+              "argument byte):",
+              f"  {'program':<24} {'GFLOP':>10} {'HBM GB':>8} {'bytes/args':>10} {'roofline ms':>12}  {'bound':<7} "
+              f"{'MFU max':>7}"]
+    for r in reports:
+        note = f"  ({r.dynamic_loops} loop{'s' * (r.dynamic_loops > 1)} of data-dependent length counted once)" \
+            if r.dynamic_loops else ""
+        lines.append(f"  {r.name:<24} {r.flops / 1e9:>10,.1f} {gb(r.bytes_accessed):>8} {r.bytes_per_argument_byte:>10.2f} "
+                     f"{1e3 * r.roofline_s:>12,.2f}  {r.bound:<7} {r.roofline_mfu:>7.0%}{note}")
     return "\n".join(lines)

@@ -1,5 +1,6 @@
-"""`train --plan --accelerator-type v5p-8 --compile`: the train and eval steps compiled by the TPU
-compiler for the slice, from shapes alone, before anyone rents it.
+"""The compile checks users run before they rent a slice: `train --plan --accelerator-type v5p-8
+--compile` (the train and eval steps) and `decode --compile-for v5e-8` (the speculative engine's
+programs, `serving.decode_compile`), compiled by the TPU compiler from shapes alone.
 
 The programs are the Trainer's own (`trainer.TrainPrograms`: the same step, optimizer, shardings and
 mesh axes), jitted over the slice's devices (`serving.tpu_compile.slice_devices`) and traced with
@@ -10,6 +11,8 @@ estimate beside it.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from dspark_jax.core.platform import tracing_for
 from dspark_jax.distributed import sharding
@@ -40,3 +43,46 @@ def compile_train_programs(cfg: TrainConfig, tpu: TpuSlice, target: ModelConfig,
             compiled = programs.eval_step.lower(state.params, target_params, eval_batch).compile()
             reports.append(program_report("eval_step", compiled, tpu))
     return reports
+
+
+def decode_check(settings) -> tuple[list[ProgramReport], TpuSlice, dict]:
+    """`decode --compile-for`: (the reports, the slice, what was compiled) for a run with these
+    `DecodeSettings`: the target's shapes from --target (a folder's config.json, a GGUF's metadata or
+    a known name), the drafter's from --drafter (a drafter folder, or a training config whose
+    drafter section and target give them), the engine's settings as that drafter resolves them."""
+    import os
+
+    from dspark_jax.checkpoints.registry import default_drafter_path
+    from dspark_jax.core.errors import UserError
+    from dspark_jax.drafters.checkpoint import read_drafter_config
+    from dspark_jax.engine.decode_settings import DEFAULT_MAX_BATCH, with_drafter
+    from dspark_jax.engine.sps import token_buckets
+    from dspark_jax.serving.decode_compile import DecodeShapes, compile_decode_programs
+    from dspark_jax.serving.target_shapes import target_model_config
+    from dspark_jax.serving.tpu_compile import tpu_slice
+    from dspark_jax.training.config import load_config
+
+    tpu = tpu_slice(settings.compile_for)
+    name, target, source = target_model_config(settings.target)
+    drafter = default_drafter_path(name) if settings.drafter == "default" else settings.drafter
+    if not drafter or drafter == "none":
+        raise UserError("--compile-for compiles the speculative engine: give --drafter (a drafter folder or a "
+                        "training config, e.g. configs/dspark_qwen3-8b.yaml)")
+    if drafter.endswith((".yaml", ".yml")):
+        dcfg = load_config(drafter, []).drafter_config(target, name)
+    elif os.path.isdir(drafter):
+        dcfg = read_drafter_config(drafter)
+    else:
+        raise UserError(f"--drafter {drafter}: not a drafter folder or a training config (.yaml)")
+    dcfg.check_target(target, name)
+    settings = with_drafter(settings, dcfg)
+    rows = settings.max_batch or DEFAULT_MAX_BATCH
+    buckets = None if settings.scheduler == "fixed" else token_buckets(rows * (settings.gamma + 1))
+    shapes = DecodeShapes(rows=rows, prompt_tokens=settings.compile_prompt_tokens,
+                          max_new_tokens=settings.max_new_tokens, gamma=settings.gamma, dtype=settings.dtype,
+                          verify_buckets=buckets, greedy=settings.temperature == 0)
+    reports = compile_decode_programs(tpu, target, dcfg, shapes)
+    about = {"accelerator_type": tpu.accelerator_type, "topology": tpu.topology, "target": name,
+             "target_shapes": source, "drafter": drafter, "scheduler": settings.scheduler,
+             **dataclasses.asdict(shapes)}
+    return reports, tpu, about

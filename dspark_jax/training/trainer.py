@@ -53,6 +53,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from dspark_jax.distributed import sharding
+from dspark_jax.drafters.checkpoint import drafter_logical_axes
 from dspark_jax.distributed.gather import barrier
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.core import files
@@ -229,23 +230,6 @@ class TrainPrograms:
         batch = self.abstract_batch(self.batch_rows)
         return (with_sharding(state, self.state_shardings), with_sharding(target, self.target_shardings),
                 with_sharding(batch, jax.tree.map(lambda _: self.batch_sharding, batch)))
-
-
-def drafter_logical_axes(params: dict) -> dict:
-    """Logical axes of drafter params by name (see sharding.LOGICAL_TO_MESH)."""
-    layer_axes = {"wq": ("layers", "embed", "heads"), "wk": ("layers", "embed", "kv_heads"),
-                  "wv": ("layers", "embed", "kv_heads"), "wo": ("layers", "heads", "embed"),
-                  "w_gate": ("layers", "embed", "mlp"), "w_up": ("layers", "embed", "mlp"),
-                  "w_down": ("layers", "mlp", "embed")}
-    top = {"fc": (None, "embed"), "w1": ("vocab", None), "w2": (None, "vocab")}
-
-    def axes(path, leaf):
-        name = path[-1].key
-        if path[0].key == "layers":
-            return layer_axes.get(name, ("layers",) + (None,) * (leaf.ndim - 1))
-        return top.get(name, (None,) * leaf.ndim)
-
-    return jax.tree_util.tree_map_with_path(axes, params)
 
 
 def layers_from_target(dparams: dict, dcfg: DrafterConfig, target_params: dict, target_cfg: ModelConfig) -> dict:
