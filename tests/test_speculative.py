@@ -362,7 +362,7 @@ def test_the_flat_prefill_gives_the_drafter_the_padded_prefill_s_context():
         assert np.abs(np.asarray(flat_cache.k[:, row, :n])).max() > 0
 
 
-@pytest.mark.parametrize("policy", ["fixed", "dspark"])
+@pytest.mark.parametrize("policy", ["fixed", "dspark", "eagle3"])
 def test_programs_traced_for_a_tpu_decode_the_same_tokens(policy):
     """The TPU's trace-time choices (stacked layers, keys laid out like values, the drafter's context
     heads-major, no CPU kernels), run here on the CPU, decode the tokens the CPU's programs decode:
@@ -371,6 +371,14 @@ def test_programs_traced_for_a_tpu_decode_the_same_tokens(policy):
     from dspark_jax.drafters.dspark import context_heads_major
 
     dcfg, dparams = drafter("markov")
+    if policy == "eagle3":  # a random one: its attention over its own cache counts in every draft
+        from dspark_jax.drafters.eagle3 import init_eagle3_params
+
+        dcfg = DrafterConfig(kind="eagle3", num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                             intermediate_size=48, vocab_size=32, head="none", confidence=False,
+                             target_layer_ids=(0, 2), target_vocab_size=32, target_hidden_size=32, target_num_layers=4)
+        dparams = init_eagle3_params(dcfg, jax.random.key(2), scale=0.3)
+        policy = "fixed"
     cfg = SpecConfig(gamma=4, policy=policy, sps=SPS)
     want = generate(TARGET, TCFG, PROMPTS, max_new_tokens=30).token_ids
     cpu = speculative_generate(TARGET, TCFG, dparams, dcfg, PROMPTS, max_new_tokens=30, cfg=cfg)
