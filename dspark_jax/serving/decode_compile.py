@@ -49,8 +49,8 @@ def compile_decode_programs(tpu: TpuSlice, tcfg: ModelConfig, dcfg: DrafterConfi
     from dspark_jax.models.sampling import SamplingConfig
 
     tcfg = dataclasses.replace(tcfg, dtype=shapes.dtype)
-    width, max_len = pad_prompts(tcfg, [[0] * shapes.prompt_tokens], shapes.max_new_tokens, slack=shapes.gamma + 1)[::2]
-    width = width.shape[1]
+    tokens, _, max_len = pad_prompts(tcfg, [[0] * shapes.prompt_tokens], shapes.max_new_tokens, slack=shapes.gamma + 1)
+    width = tokens.shape[1]  # the prompt's length bucket
     cfg = spec.SpecConfig(gamma=shapes.gamma, sampling=SamplingConfig(0.0 if shapes.greedy else 1.0))
     statics = dict(tcfg=tcfg, dcfg=dcfg, cfg=cfg)
     reports = []

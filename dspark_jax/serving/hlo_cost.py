@@ -216,8 +216,9 @@ class _Walker:
                 elif ins.opcode == "conditional":
                     total += max((self.flops(c) for c in _callees(ins.attrs, "branch_computations")), default=0.0)
                 else:
-                    total += sum(self.flops(c) for key in ("calls", "to_apply") for c in _callees(ins.attrs, key)
-                                 if key == "calls" or ins.opcode == "call")
+                    # a fusion's computation ("calls"), a call's ("to_apply"; a reduce's to_apply is no matmul)
+                    called = _callees(ins.attrs, "to_apply" if ins.opcode == "call" else "calls")
+                    total += sum(self.flops(c) for c in called)
             self._flops[comp] = total
         return self._flops[comp]
 
@@ -264,7 +265,7 @@ class _Walker:
             reads = sum(min(hbm(op), self._param_read(callee, k, hbm(op))) for k, op in enumerate(ins.operands))
             return reads + self._fusion_written(callee, ins)
         if ins.opcode in ("dynamic-slice", "slice", "gather"):
-            return 2 * written if types.get(ins.operands[0], [Array("u8", (), 0)])[0].space == 0 else written
+            return written + min(written, hbm(ins.operands[0]))  # the slice read (where its source is in HBM)
         if ins.opcode in _IN_PLACE:
             return 2 * hbm(ins.operands[_IN_PLACE[ins.opcode]])
         if ins.opcode in ("copy-start", "slice-start"):  # an asynchronous copy: its source and destination
