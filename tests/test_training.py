@@ -95,6 +95,34 @@ def test_training_reduces_the_loss(tmp_path):
     assert len(evals[-1]["eval_acceptance_per_position"]) == 4 and np.isfinite(evals[-1]["eval_loss"])
 
 
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_remat_and_logit_chunks_change_memory_not_the_step(tmp_path, kind):
+    """run.remat and run.logit_chunk change what the backward pass keeps, not the step: two steps
+    under each give the default's metrics and weights (to fp32 rounding; dropping the recompute or
+    a chunk's blocks would not)."""
+    eagle3 = dict(kind="eagle3", num_layers=1, head="none", markov_rank=0, confidence=False, ttt_steps=3,
+                  target_layer_ids=(0, 2))
+
+    def two_steps(**run):
+        cfg = tiny_config(tmp_path / kind)
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, **run),
+                                  **(dict(drafter=eagle3, loss=LossWeights.dflash()) if kind == "eagle3" else {}))
+        trainer = Trainer(cfg, tiny_target(), progress=False)
+        state, metrics = trainer.init_state(), []
+        for _ in range(2):
+            batch, _ = trainer.next_batch()
+            state, m = trainer.train_step(state, trainer.target_params, batch)
+            metrics.append(jax.device_get(m))
+        trainer.close()
+        return params_of(state), metrics
+
+    want_params, want_metrics = two_steps()
+    for run in (dict(remat="full", logit_chunk=3), dict(remat="dots", logit_chunk=1)):  # 3: chunks of 2 of 8
+        params, metrics = two_steps(**run)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6), metrics, want_metrics)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6), params, want_params)
+
+
 @pytest.mark.needs_devices(4)  # fails with fewer devices unless DSPARK_ALLOW_FEWER_DEVICES=1 (tests/conftest.py)
 def test_sharded_step_equals_single_device(tmp_path):
     results = []

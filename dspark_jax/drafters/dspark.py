@@ -196,11 +196,12 @@ def target_embed(target_params: dict, dcfg: DrafterConfig, tokens: jax.Array, dt
     return x if dcfg.target_embed_scale == 1.0 else x * jnp.asarray(dcfg.target_embed_scale, dtype)
 
 
-def _backbone(dparams, dcfg, target_params, block_tokens, block_positions, context_kv, ctx_visible):
+def _backbone(dparams, dcfg, target_params, block_tokens, block_positions, context_kv, ctx_visible,
+              remat_policy=None):
     """Final-normed hidden states [B, N, g, d] of N blocks per row.
 
     block_tokens, block_positions: [B, N, g]; context_kv(lp, layer) -> (k_ctx, v_ctx) [B, S, Hkv, D]
-    for that draft layer; ctx_visible: [B, N, S].
+    for that draft layer; ctx_visible: [B, N, S]; remat_policy: `decoder.run_layers`'.
     """
     B, N, g = block_tokens.shape
     lcfg = dcfg.layer_config()
@@ -212,7 +213,7 @@ def _backbone(dparams, dcfg, target_params, block_tokens, block_positions, conte
         k_ctx, v_ctx = context_kv(lp, layer)
         return block_attention(split(q), split(k), split(v), k_ctx, v_ctx, ctx_visible), carry
 
-    hidden, _, _ = decoder.run_layers(dparams, lcfg, x, cos, sin, attend, None, ())
+    hidden, _, _ = decoder.run_layers(dparams, lcfg, x, cos, sin, attend, None, (), remat_policy)
     return hidden.reshape(B, N, g, -1)
 
 
@@ -383,17 +384,20 @@ def _teacher_forced_bias(dparams, dcfg, hidden, prev):
 
 
 def train_forward(dparams: dict, dcfg: DrafterConfig, target_params: dict, target_cfg: ModelConfig,
-                  batch: dict, ctx_features: jax.Array, target_last_hidden: jax.Array) -> dict:
+                  batch: dict, ctx_features: jax.Array, target_last_hidden: jax.Array, *,
+                  with_logits: bool = True, remat_policy=None) -> dict:
     """All blocks of a packed batch in one parallel pass, the sequential head teacher-forced.
 
     batch: tokens, positions, segment_ids (0 = padding), loss_mask [B, S]; block_start (the slot of
     each block's anchor), block_valid [B, NB]. ctx_features [B, S, m*d]: the target taps of every
     slot; target_last_hidden [B, S, d]: the target's final-normed hidden state.
 
-    Returns, per [B, NB, g] slot: draft_logits (base + head bias), base_logits, target_logits (the
-    target's LM head at slot a+k, i.e. its distribution for the token at a+k+1), hidden
-    (final-normed), labels (token at slot a+k+1), label_mask, prev_tokens (the head's teacher-forced
-    input), and confidence_logits when the confidence head is on.
+    Returns, per [B, NB, g] slot: hidden (final-normed), target_hidden (the target's final-normed
+    hidden state at slot a+k), labels (token at slot a+k+1), label_mask, prev_tokens (the head's
+    teacher-forced input), confidence_logits when the confidence head is on, and with `with_logits`
+    the vocabulary-wide `slot_logits` of every slot. Without them a caller computes those a few
+    blocks at a time (`training.losses.blockwise`): a row's [NB, g, V] logits are the largest
+    arrays of a large target's step. remat_policy: the draft layers' (`decoder.run_layers`).
 
     label_mask follows the reference: slot k is supervised iff its block is valid and slots 0..k all
     have their label inside the row, in the anchor's segment and in loss_mask (a contiguous prefix).
@@ -430,22 +434,31 @@ def train_forward(dparams: dict, dcfg: DrafterConfig, target_params: dict, targe
     lcfg = dcfg.layer_config()
     h_ctx = fuse_context(dparams, dcfg, ctx_features)
     hidden = _backbone(dparams, dcfg, target_params, block_tokens, block_positions,
-                       lambda lp, layer: _project_context(lp, lcfg, h_ctx, positions), ctx_visible)
-
-    base = base_logits(dparams, dcfg, target_params, target_cfg, hidden)
+                       lambda lp, layer: _project_context(lp, lcfg, h_ctx, positions), ctx_visible, remat_policy)
     out = {
-        "draft_logits": base + _teacher_forced_bias(dparams, dcfg, hidden, prev),
-        "base_logits": base,
-        # Only at block slots: the target's full-sequence logits are never materialised.
-        "target_logits": decoder.logits(target_params, target_cfg, take(target_last_hidden, prev_slot)),
         "hidden": hidden,
+        # Only at block slots: the target's full-sequence logits are never materialised.
+        "target_hidden": take(target_last_hidden, prev_slot),
         "labels": labels,
         "label_mask": label_mask,
         "prev_tokens": prev,
     }
     if dcfg.confidence:
         out["confidence_logits"] = _confidence_logits(dparams, dcfg, hidden, prev)
+    if with_logits:
+        out.update(slot_logits(dparams, dcfg, target_params, target_cfg, hidden, prev, out["target_hidden"]))
     return out
+
+
+def slot_logits(dparams: dict, dcfg: DrafterConfig, target_params: dict, target_cfg: ModelConfig,
+                hidden: jax.Array, prev_tokens: jax.Array, target_hidden: jax.Array) -> dict:
+    """The vocabulary-wide outputs of teacher-forced slots [..., g]: draft_logits (base + head
+    bias), base_logits and target_logits (the target's LM head at slot a+k, i.e. its distribution
+    for the token at a+k+1)."""
+    base = base_logits(dparams, dcfg, target_params, target_cfg, hidden)
+    return {"draft_logits": base + _teacher_forced_bias(dparams, dcfg, hidden, prev_tokens),
+            "base_logits": base,
+            "target_logits": decoder.logits(target_params, target_cfg, target_hidden)}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -85,12 +85,12 @@ def init_eagle3_params(dcfg: DrafterConfig, key: jax.Array, scale: float = 0.02)
 
 
 def _run_layers(params: dict, dcfg: DrafterConfig, embeds: jax.Array, g: jax.Array, positions: jax.Array,
-                attend, layer_inputs=None):
+                attend, layer_inputs=None, remat_policy=None):
     """All Eagle3 layers over embeds, g: [B, T, d] at `positions` [B, T] -> (h, layer_outputs).
 
     `attend(q, k, v, inputs) -> (out, outputs)` supplies the attention; `inputs` is this layer's
     slice of `layer_inputs` (arrays with a leading layer axis, e.g. its KV cache) and `outputs` are
-    stacked over layers into `layer_outputs`.
+    stacked over layers into `layer_outputs`. remat_policy: as `decoder.run_layers`'.
 
     Every layer reads the same token embeddings and the previous layer's output, and runs through
     `decoder.decoder_layer` unchanged: the residual stream is g, attn_norm is hidden_norm and the
@@ -112,6 +112,8 @@ def _run_layers(params: dict, dcfg: DrafterConfig, embeds: jax.Array, g: jax.Arr
                      (("bq", "wq"), ("bk", "wk"), ("bv", "wv"))})
         return decoder.decoder_layer(lp, cfg, g, cos, sin, lambda lp, q, k, v: attend(q, k, v, inputs))
 
+    if remat_policy is not None:
+        body = jax.checkpoint(body, policy=remat_policy)
     return jax.lax.scan(body, g, (decoder.as_bits(params["layers"]), params["layers"], layer_inputs))
 
 
@@ -152,6 +154,7 @@ def eagle3_train_forward(
     positions: jax.Array | None = None,
     loss_slots: jax.Array | None = None,
     loss_slots_valid: jax.Array | None = None,
+    remat_policy=None,
 ) -> dict:
     """The TTT forward over whole sequences (layout and loss in the module docstring).
 
@@ -164,6 +167,7 @@ def eagle3_train_forward(
     loss_slots, loss_slots_valid: [B, P] to supervise only those positions t (every pass still runs
     over the whole row, so attention is unchanged); the LM heads, drafter's and target's, then run
     on B*P*steps rather than B*S*steps positions, and each pass's loss is divided by B*P.
+    remat_policy: the layers' (`decoder.run_layers`), for training memory.
     Returns {"draft_logits": [steps, B, N, V], "position_mask": [steps, B, N], "loss": [steps],
     "acceptance": [steps, B, N] (sum_v min(q, p), the chance pass i's draft survives verification),
     "total_loss": scalar}, N = S (or P with loss_slots). Under jit, outputs the caller drops cost nothing.
@@ -226,7 +230,7 @@ def eagle3_train_forward(
     for i in range(steps):
         positions = base_positions + i
         embeds = dspark.target_embed(target_params, dcfg, tokens, g.dtype)
-        g, (k, v) = _run_layers(params, dcfg, embeds, g, positions, attend, ctx + chain)
+        g, (k, v) = _run_layers(params, dcfg, embeds, g, positions, attend, ctx + chain, remat_policy)
         if i == 0:
             ctx = (k, v)
         else:

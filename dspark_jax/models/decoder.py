@@ -626,18 +626,27 @@ def decoder_layer(lp: dict, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin:
     return x + (rms_norm(out, lp["mlp_post_norm"], eps) if cfg.post_norms else out), aux
 
 
-def run_layers(params: dict, cfg: ModelConfig, x: jax.Array, cos, sin, attend, carry, tap_layers):
+def run_layers(params: dict, cfg: ModelConfig, x: jax.Array, cos, sin, attend, carry, tap_layers,
+               remat_policy=None):
     """Run the decoder layers in the params' layout; also collect the residual stream after each tap
     layer. `attend(lp, q, k, v, carry, i)` sees layer i (a Python int in the per-layer layout, a
     traced one under the scan) and the caller's carry (e.g. the KV cache, see `layer_get`).
 
     Tap layer l means "after the l-th decoder layer" (0 = the embeddings), i.e. Hugging Face's
     `hidden_states[l]`. Only the requested layers are kept (not all L of them).
+
+    remat_policy: a `jax.checkpoint` policy: under differentiation each layer keeps only what the
+    policy saves and recomputes the rest in the backward pass (training memory, `run.remat`).
     """
+    per_layer = layout_of(params) == "per_layer"
+
     def layer(lp, x, carry, i):
         return decoder_layer(lp, cfg, x, *layer_rope(cfg, cos, sin, i), lambda lp, q, k, v: attend(lp, q, k, v, carry, i))
 
-    if layout_of(params) == "per_layer":
+    if remat_policy is not None:
+        layer = jax.checkpoint(layer, policy=remat_policy, static_argnums=(3,) if per_layer else ())
+
+    if per_layer:
         kept = {0: x}
         for i, lp in enumerate(params["layers"]):
             x, carry = layer(lp, x, carry, i)

@@ -114,6 +114,16 @@ class RunConfig:
     # after the step that leaves less than one more step's time; --resume continues it.
     time_budget_s: float = setting(0.0, ge=0)
     compute_dtype: str = setting("bfloat16", choices=("float32", "bfloat16", "float16"))  # master weights: float32
+    # Rematerialisation of the draft layers in the backward pass (jax.checkpoint): "none" keeps every
+    # activation, "dots" keeps the layers' weight products and recomputes attention and the
+    # elementwise rest, "full" keeps only each layer's input. Memory against recomputed flops:
+    # docs/training.md has both, per policy, for a TPU config.
+    remat: str = setting("none", choices=("none", "dots", "full"))
+    # The loss's vocabulary-wide part ([blocks, gamma, V] logits of drafter and target) is computed
+    # at most this many blocks of a row at a time, recomputed in the backward pass; 0 = all blocks
+    # at once. DSpark and DFlash (Eagle3's loss is per pass). It costs a second LM-head forward per
+    # slot for little memory on a Qwen3-8B step (docs/training.md): the last resort, not the first.
+    logit_chunk: int = setting(0, ge=0)
     mesh: tuple[int, int, int] = setting((-1, 1, 1), ge=-1)  # (data, fsdp, tensor); -1 = all remaining devices
 
     __relations__ = (

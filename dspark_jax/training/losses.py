@@ -50,22 +50,49 @@ def expected_accept_length(alpha: jax.Array, mask: jax.Array) -> jax.Array:
     return 1.0 + jnp.sum(survive, axis=-1)
 
 
+def slot_statistics(draft_logits: jax.Array, target_logits: jax.Array, labels: jax.Array) -> dict:
+    """The per-slot reductions over the vocabulary the loss needs, [...]: nll of the label under q,
+    tv = ||q - p||_1 and whether q's argmax is the label. draft_logits, target_logits [..., V]."""
+    q_log = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)
+    p_log = jax.lax.stop_gradient(jax.nn.log_softmax(target_logits.astype(jnp.float32), axis=-1))
+    label_log = jnp.take_along_axis(q_log, labels[..., None], axis=-1)[..., 0]
+    # A label outside a draft vocabulary has q = 0 (log -inf): no CE for it, TV still counts it.
+    return {"nll": jnp.where(jnp.isfinite(label_log), -label_log, 0.0),
+            "tv": jnp.sum(jnp.abs(jnp.exp(q_log) - jnp.exp(p_log)), axis=-1),
+            "correct": jnp.argmax(q_log, axis=-1) == labels}
+
+
+def blockwise(fn, chunk: int, *arrays: jax.Array):
+    """fn(*arrays) for arrays [B, NB, ...], computed at most `chunk` blocks at a time (the largest
+    divisor of NB not above it) with rematerialisation: only one chunk's vocabulary-wide
+    intermediates exist at once, forward and backward (the backward pass recomputes them). fn maps
+    [B, c, ...] arrays to a pytree of [B, c, ...] arrays; chunk 0 (or >= NB) calls it once on
+    everything. Chunks run along the blocks, so rows keep their sharding over the data axis."""
+    NB = arrays[0].shape[1]
+    if chunk <= 0 or chunk >= NB:
+        return fn(*arrays)
+    chunk = max(c for c in range(1, chunk + 1) if NB % c == 0)
+    split = lambda a: jnp.moveaxis(a.reshape(a.shape[0], NB // chunk, chunk, *a.shape[2:]), 1, 0)  # noqa: E731
+    out = jax.lax.map(jax.checkpoint(lambda xs: fn(*xs)), tuple(split(a) for a in arrays))
+    return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1).reshape(a.shape[1], NB, *a.shape[3:]), out)
+
+
 def dspark_loss(outputs: dict, weights: LossWeights) -> tuple[jax.Array, dict]:
     """outputs: draft_logits, target_logits [..., gamma, V]; labels, label_mask [..., gamma];
     confidence_logits [..., gamma] (optional). Returns (loss, metrics)."""
+    return loss_from_statistics(slot_statistics(outputs["draft_logits"], outputs["target_logits"], outputs["labels"]),
+                                outputs, weights)
+
+
+def loss_from_statistics(stats: dict, outputs: dict, weights: LossWeights) -> tuple[jax.Array, dict]:
+    """(loss, metrics) of `slot_statistics` [..., gamma] with outputs' label_mask and, optional,
+    confidence_logits [..., gamma]."""
     mask = outputs["label_mask"].astype(jnp.float32)
     w = position_weights(mask.shape[-1], weights.decay) * mask
     denom = jnp.maximum(jnp.sum(w), 1e-6)
-    q_log = jax.nn.log_softmax(outputs["draft_logits"].astype(jnp.float32), axis=-1)
-    p_log = jax.lax.stop_gradient(jax.nn.log_softmax(outputs["target_logits"].astype(jnp.float32), axis=-1))
-    labels = outputs["labels"]
-    label_log = jnp.take_along_axis(q_log, labels[..., None], axis=-1)[..., 0]
-    # A label outside a draft vocabulary has q = 0 (log -inf): no CE for it, TV still counts it.
-    nll = jnp.where(jnp.isfinite(label_log), -label_log, 0.0)
-    tv = jnp.sum(jnp.abs(jnp.exp(q_log) - jnp.exp(p_log)), axis=-1)
-    alpha = 1.0 - 0.5 * tv
-    ce_loss = jnp.sum(w * nll) / denom
-    tv_loss = jnp.sum(w * tv) / denom
+    alpha = 1.0 - 0.5 * stats["tv"]
+    ce_loss = jnp.sum(w * stats["nll"]) / denom
+    tv_loss = jnp.sum(w * stats["tv"]) / denom
     loss = weights.ce * ce_loss + weights.tv * tv_loss
     metrics = {"loss_ce": ce_loss, "loss_tv": tv_loss}
     if "confidence_logits" in outputs:
@@ -76,7 +103,7 @@ def dspark_loss(outputs: dict, weights: LossWeights) -> tuple[jax.Array, dict]:
         loss = loss + weights.conf * conf_loss
         metrics["loss_conf"] = conf_loss
     count = jnp.maximum(jnp.sum(mask, axis=tuple(range(mask.ndim - 1))), 1.0)
-    correct = (jnp.argmax(q_log, axis=-1) == labels) * mask
+    correct = stats["correct"] * mask
     metrics.update(loss=loss, accuracy_per_position=jnp.sum(correct, axis=tuple(range(mask.ndim - 1))) / count,
                    **chain_acceptance_metrics(alpha, mask))
     return loss, metrics

@@ -61,7 +61,7 @@ from dspark_jax.core.errors import UserError
 from dspark_jax.models import decoder
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.training.config import OptimConfig, TrainConfig, config_to_dict
-from dspark_jax.training.losses import chain_acceptance_metrics, dspark_loss
+from dspark_jax.training.losses import blockwise, chain_acceptance_metrics, loss_from_statistics, slot_statistics
 
 
 @jax.tree_util.register_dataclass
@@ -89,8 +89,14 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
                        optax.adamw(lr_schedule(o), b1=o.b1, b2=o.b2, weight_decay=o.weight_decay))
 
 
-def drafter_functions(dcfg: DrafterConfig):
-    """(init_params, loss_fn) for the drafter kind; loss_fn(params, target_params, batch) -> (loss, metrics)."""
+REMAT_POLICIES = {"none": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                  "full": jax.checkpoint_policies.nothing_saveable}
+
+
+def drafter_functions(dcfg: DrafterConfig, remat: str = "none", logit_chunk: int = 0):
+    """(init_params, loss_fn) for the drafter kind; loss_fn(params, target_params, batch) -> (loss,
+    metrics). remat and logit_chunk: the run's memory settings (`RunConfig`): they change what the
+    backward pass keeps, not the loss."""
     if dcfg.kind == "eagle3":
         from dspark_jax.drafters import eagle3
 
@@ -102,7 +108,7 @@ def drafter_functions(dcfg: DrafterConfig):
             out = eagle3.eagle3_train_forward(
                 params, dcfg, target_params, tcfg, batch["tokens"], batch["loss_mask"], batch["ctx_features"],
                 batch["target_last_hidden"], dcfg.ttt_steps, segment_ids=batch["segment_ids"],
-                positions=batch["positions"], **slots)
+                positions=batch["positions"], remat_policy=REMAT_POLICIES[remat], **slots)
             # Pass i at t drafts the chain's token i+1: per-position metrics as for a block at t + 1.
             alpha, mask = (jnp.moveaxis(out[k], 0, -1) for k in ("acceptance", "position_mask"))
             metrics = {"loss": out["total_loss"], "loss_per_step": out["loss"],
@@ -115,8 +121,16 @@ def drafter_functions(dcfg: DrafterConfig):
 
     def loss_fn(params, target_params, tcfg, batch, weights):
         out = dspark.train_forward(params, dcfg, target_params, tcfg, batch, batch["ctx_features"],
-                                   batch["target_last_hidden"])
-        return dspark_loss(out, weights)
+                                   batch["target_last_hidden"], with_logits=False,
+                                   remat_policy=REMAT_POLICIES[remat])
+
+        def statistics(hidden, prev_tokens, target_hidden, labels):
+            logits = dspark.slot_logits(params, dcfg, target_params, tcfg, hidden, prev_tokens, target_hidden)
+            return slot_statistics(logits["draft_logits"], logits["target_logits"], labels)
+
+        stats = blockwise(statistics, logit_chunk, out["hidden"], out["prev_tokens"], out["target_hidden"],
+                          out["labels"])
+        return loss_from_statistics(stats, out, weights)
 
     return dspark.init_drafter_params, loss_fn
 
@@ -145,7 +159,7 @@ def _cast(tree, dtype):
 
 def make_loss(cfg: TrainConfig, dcfg: DrafterConfig, tcfg: ModelConfig) -> Callable:
     """loss(params, target_params, batch) -> (loss, metrics) in the run's compute dtype."""
-    _, loss_fn = drafter_functions(dcfg)
+    _, loss_fn = drafter_functions(dcfg, cfg.run.remat, cfg.run.logit_chunk)
     compute = jnp.dtype(cfg.run.compute_dtype)
 
     def loss(params, target_params, batch):
@@ -297,7 +311,7 @@ _STEP_DIR = re.compile(r"\d+(\.orbax-checkpoint-tmp.*)?")  # orbax step folders,
 # other optim settings, run.compute_dtype) is what was trained and must stay; run.out_dir is the
 # folder itself, which may have moved.
 SCHEDULE_KEYS = ("optim.steps", "run.log_every", "run.save_every", "run.keep_checkpoints", "run.eval_every",
-                 "run.eval_batches", "run.mesh", "run.time_budget_s")
+                 "run.eval_batches", "run.mesh", "run.time_budget_s", "run.remat", "run.logit_chunk")
 IGNORED_KEYS = ("run.out_dir",)
 _UNSET = "<unset>"
 
