@@ -21,6 +21,13 @@ from dspark_jax.models.config import ModelConfig
 from dspark_jax.serving.tpu_compile import ProgramReport, TpuSlice, program_report, quiet_cache, slice_devices
 from dspark_jax.training.config import TrainConfig
 
+# The Cloud TPU slice each shipped TPU config (configs/<method>_<target>.yaml) is compiled for and
+# documented with (configs/README.md), by target: the fewest v5p chips its mesh's tensor axis and the
+# HBM margin allow (Qwen3-14B's tensor axis of 8 needs 8 chips: v5p-16, two hosts).
+DOCUMENTED_SLICES = {"qwen3-4b": "v5p-8", "qwen3-8b": "v5p-8", "qwen3-14b": "v5p-16", "gemma3-12b": "v5p-8"}
+SHIPPED_TPU_CONFIGS = tuple(f"{method}_{target}" for target in ("qwen3-4b", "qwen3-8b", "qwen3-14b")
+                            for method in ("dspark", "dflash", "eagle3")) + ("dspark_gemma3-12b",)
+
 
 def compile_train_programs(cfg: TrainConfig, tpu: TpuSlice, target: ModelConfig, target_name: str,
                            *, eval_step: bool = True) -> list[ProgramReport]:

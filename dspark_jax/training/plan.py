@@ -20,14 +20,15 @@ dimension the mesh axis does not divide stays replicated) and adds up, per devic
   (`trainer.target_feature_inputs`): a second, transient copy;
 * the batch: the int32 token-level fields [rows, seq_len], plus, with `data.feature_cache`, the
   cached bf16 features of ALL `grad_accum` micro-batches (2 (m + 1) d bytes per token);
-* activations of one micro-batch (the gradient accumulation is a scan: one micro-batch at a time;
-  there is no rematerialisation, `jax.checkpoint`, in the trainer, so the backward pass keeps every
-  draft layer's residuals). An ESTIMATE, per row of the micro-batch on this device:
-  saved for the backward pass: the fc input and output, per draft layer the context keys/values,
-  the block tokens' residual stream, q/k/v, the attention output, the MLP's three
-  intermediate-size tensors and the attention probabilities [heads, blocks x gamma, seq_len +
-  gamma] (fp32 softmax plus the compute-dtype copy the value einsum reads), and the vocabulary-wide
-  fp32 arrays of the loss (log q; with a TV term also q, p and sign(q - p)); plus the largest
+* activations of one micro-batch (the gradient accumulation is a scan: one micro-batch at a time).
+  An ESTIMATE, per row of the micro-batch on this device: saved for the backward pass: the fc
+  input and output, per draft layer the context keys/values, the block tokens' residual stream,
+  q/k/v, the attention output, the MLP's three intermediate-size tensors and the attention
+  probabilities [heads, blocks x gamma, seq_len + gamma] (fp32 softmax plus the compute-dtype copy
+  the value einsum reads) with `run.remat=none`, the layers' weight products alone with "dots",
+  each layer's input alone with "full" (a layer then rebuilds in its backward pass: a transient),
+  and the vocabulary-wide fp32 arrays of the loss (log q; with a TV term also q, p and sign(q - p);
+  with `run.logit_chunk` one chunk's, transient); plus the largest
   transient of the step: the target's forward pass (online features: the fp32 taps and last hidden
   state, one layer's attention output, one block pair's scores and probabilities, and its MLP), one
   draft layer's attention gradients, or the loss's logits and their gradients. Tensors with a
@@ -235,12 +236,20 @@ def _dspark_row(cfg: TrainConfig, dcfg, S: int, NB: int, g: int, cd: int, th: in
                  + (3 * T * q / th + 4 * T * kv / tkv + T * q / th) * cd  # q, k, v (three stages each), attention output
                  + 3 * T * f / tf * cd  # gate, up, act(gate) * up
                  + H / th * T * keys * (4 + cd))  # softmax probabilities (fp32) and their compute-dtype copy
+    kept = {"none": per_layer,  # what run.remat keeps of a layer for the backward pass
+            # the weight products: context k/v, q/k/v, the attention's output projection, gate, up, down
+            "dots": (2 * S * kv / tkv + T * (q / th + 2 * kv / tkv) + 2 * T * d + 2 * T * f / tf) * cd,
+            "full": T * d * cd}[cfg.run.remat]  # the layer's input
+    recomputed = per_layer if cfg.run.remat != "none" else 0  # one layer's, rebuilt in its backward pass
+    # run.logit_chunk: the vocabulary-wide arrays of one chunk of blocks at a time, none kept
+    Tv = min(cfg.run.logit_chunk, NB) * g if cfg.run.logit_chunk else T
     saved = (S * m * d * cd + 2 * S * d * cd  # fc input (the taps) and output (before / after its norm)
-             + L * per_layer + 2 * T * d * cd  # final norm
-             + vocab_saved * T * V / tv * 4  # the loss's fp32 vocabulary-wide arrays
+             + L * kept + 2 * T * d * cd  # final norm
+             + (0 if cfg.run.logit_chunk else vocab_saved * T * V / tv * 4)  # the loss's fp32 vocabulary-wide arrays
              + (T * r * cd if dcfg.uses_markov_table else 0))
-    transient = max(2 * H / th * T * keys * 4,  # one draft layer's score and probability gradients
-                    3 * T * V / tv * 4)  # base, draft and target logits (or their gradients) at once
+    transient = max(2 * H / th * T * keys * 4 + recomputed,  # one draft layer's score and probability gradients
+                    (3 + (vocab_saved if cfg.run.logit_chunk else 0)) * Tv * V / tv * 4)  # base, draft and
+    # target logits (or their gradients) at once
     flops = {
         "drafter_fc": 2 * (2 * S * m * d * d),  # forward + weight gradient (the taps are constants)
         "drafter_context_kv": 3 * L * 2 * S * d * 2 * kv,
@@ -251,6 +260,13 @@ def _dspark_row(cfg: TrainConfig, dcfg, S: int, NB: int, g: int, cd: int, th: in
         + (3 * 2 * T * (2 * r + d) * 3 * r if dcfg.head == "rnn" else 0),
         "target_lm_head": 2 * T * d * V,  # the target's distribution at the block slots (no gradient)
     }
+    # recomputed in the backward pass: the attention ("dots"; the rest is kept) or the whole layer
+    # ("full"); with logit_chunk the LM heads' and the Markov bias' forward
+    flops["recompute"] = ({"none": 0, "dots": flops["drafter_attention"] / 3,
+                           "full": (flops["drafter_layers"] + flops["drafter_attention"]
+                                    + flops["drafter_context_kv"]) / 3}[cfg.run.remat]
+                          + (flops["drafter_lm_head"] / 2 + flops["drafter_head"] / 3 + flops["target_lm_head"]
+                             if cfg.run.logit_chunk else 0))
     return {"saved": int(saved), "transient": int(transient)}, flops
 
 
@@ -263,10 +279,14 @@ def _eagle3_row(cfg: TrainConfig, dcfg, S: int, NB: int, cd: int, th: int, tkv: 
     N = NB if dcfg.ttt_at_anchors else S  # supervised positions per pass
     layer_matmul = 2 * d * (q + 2 * kv) + q * d + 3 * d * f  # q/k/v read [embedding; feature]
     keys = K * S + K * (K - 1) // 2  # over the passes: the context plus the chain so far
-    per_pass = L * (6 * S * d * cd + (3 * S * q / th + 6 * S * kv / tkv) * cd + 3 * S * f / tf * cd) \
-        + L * H / th * S * (S + K) * (4 + cd) + 2 * N * V / tv * 4
+    layer = (6 * S * d * cd + (3 * S * q / th + 6 * S * kv / tkv) * cd + 3 * S * f / tf * cd
+             + H / th * S * (S + K) * (4 + cd))
+    kept = {"none": layer,  # what run.remat keeps of a layer (as `_dspark_row`)
+            "dots": (S * (q / th + 2 * kv / tkv) * 2 + 2 * S * d + 2 * S * f / tf) * cd,
+            "full": 2 * S * d * cd}[cfg.run.remat]  # its inputs: the residual stream and the embeddings
+    per_pass = L * kept + 2 * N * V / tv * 4
     saved = S * m * d * cd + S * d * cd + K * per_pass
-    transient = max(2 * H / th * S * (S + K) * 4, 3 * N * V / tv * 4)
+    transient = max(2 * H / th * S * (S + K) * 4 + (layer if cfg.run.remat != "none" else 0), 3 * N * V / tv * 4)
     flops = {
         "drafter_fc": 2 * (2 * S * m * d * d),
         "drafter_layers": 3 * K * L * 2 * S * layer_matmul,
@@ -274,6 +294,8 @@ def _eagle3_row(cfg: TrainConfig, dcfg, S: int, NB: int, cd: int, th: int, tkv: 
         "drafter_lm_head": 2 * K * 2 * N * d * V,
         "target_lm_head": 2 * (N * K if dcfg.ttt_at_anchors else S) * d * V,
     }
+    flops["recompute"] = {"none": 0, "dots": flops["drafter_attention"] / 3,
+                          "full": (flops["drafter_layers"] + flops["drafter_attention"]) / 3}[cfg.run.remat]
     return {"saved": int(saved), "transient": int(transient)}, flops
 
 

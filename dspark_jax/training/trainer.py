@@ -176,7 +176,12 @@ def make_train_step(cfg: TrainConfig, dcfg: DrafterConfig, tcfg: ModelConfig, op
     accum = cfg.optim.grad_accum
 
     def step(state: TrainState, target_params: dict, batch: dict):
-        micro_batches = jax.tree.map(lambda a: a.reshape((accum, a.shape[0] // accum) + a.shape[1:]), batch)
+        # Micro-batch i takes rows i, i + accum, i + 2 accum, ... of the batch, so that each micro-batch
+        # is spread over the data axis as the batch is (a device holds a contiguous block of its rows):
+        # split into consecutive blocks instead, a micro-batch would sit on one device, and XLA would
+        # run every micro-batch on every device of the data axis.
+        micro_batches = jax.tree.map(lambda a: jnp.swapaxes(a.reshape((a.shape[0] // accum, accum) + a.shape[1:]), 0, 1),
+                                     batch)
 
         def accumulate(grads_sum, micro):
             (_, metrics), grads = jax.value_and_grad(micro_loss, has_aux=True)(state.params, target_params, micro)
