@@ -84,8 +84,7 @@ def main() -> None:
     ap.add_argument("--name", default="cli_matrix", help="results name under benchmarks/results/")
     args = ap.parse_args()
     domains = common.choose(args.domains, common.DOMAINS, "domain")
-    json_path = os.path.join(common.RESULTS_DIR, f"{args.name}.json")
-    cells = json.load(open(json_path))["cells"] if os.path.exists(json_path) else []
+    cells = list(common.finished_cells(args.name, id).values())
     folder = tempfile.mkdtemp(prefix="bench_cli_")  # the prompts files (rebuilt from the package's eval split)
     references: dict[str, dict[int, list[int]]] = {}
     for domain in domains:

@@ -33,6 +33,16 @@ def write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def finished_cells(name: str, key) -> dict:
+    """The cells a resumable benchmark already wrote to <RESULTS_DIR>/<name>.json, by key(cell)
+    (empty when there is no such file): a rerun skips them."""
+    path = os.path.join(RESULTS_DIR, f"{name}.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return {key(c): c for c in json.load(f).get("cells", [])}
+
+
 def write_results(name: str, results: dict, markdown: str, directory: str = RESULTS_DIR) -> tuple[str, str]:
     """Write <directory>/<name>.json and <directory>/<name>.md with the command, machine and date."""
     os.makedirs(directory, exist_ok=True)

@@ -16,7 +16,6 @@ already in the results JSON is kept.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -40,11 +39,7 @@ def main() -> None:
     from dspark_jax.engine.decode_settings import DecodeSettings
     from dspark_jax.training.compile_check import decode_check
 
-    json_path = os.path.join(common.RESULTS_DIR, f"{args.name}.json")
-    cells = {}
-    if os.path.exists(json_path):
-        with open(json_path) as f:
-            cells = {(c["accelerator_type"], c["rows"]): c for c in json.load(f).get("cells", [])}
+    cells = common.finished_cells(args.name, lambda c: (c["accelerator_type"], c["rows"]))
     for accelerator in args.slices.split(","):
         for rows in args.rows:
             if (accelerator, rows) in cells:

@@ -101,11 +101,7 @@ def main() -> None:
     ap.add_argument("--name", default="tpu_compile_train")
     args = ap.parse_args()
 
-    json_path = os.path.join(common.RESULTS_DIR, f"{args.name}.json")
-    cells = {}
-    if os.path.exists(json_path):
-        with open(json_path) as f:
-            cells = {c["config"]: c for c in json.load(f).get("cells", [])}
+    cells = common.finished_cells(args.name, lambda c: c["config"])
     from dspark_jax.training.compile_check import SHIPPED_TPU_CONFIGS
 
     for name in args.configs.split(",") if args.configs else SHIPPED_TPU_CONFIGS:
