@@ -284,8 +284,8 @@ def _eagle3_row(cfg: TrainConfig, dcfg, S: int, NB: int, cd: int, th: int, tkv: 
     kept = {"none": layer,  # what run.remat keeps of a layer (as `_dspark_row`)
             "dots": (S * (q / th + 2 * kv / tkv) * 2 + 2 * S * d + 2 * S * f / tf) * cd,
             "full": 2 * S * d * cd}[cfg.run.remat]  # its inputs: the residual stream and the embeddings
-    per_pass = L * kept + 2 * N * V / tv * 4
-    saved = S * m * d * cd + S * d * cd + K * per_pass
+    per_pass = L * kept + N * V / tv * 4  # and the pass's log q over the vocabulary (fp32)
+    saved = S * m * d * cd + S * d * cd + K * per_pass + N * V / tv * 4  # the target's p, one for all passes
     transient = max(2 * H / th * S * (S + K) * 4 + (layer if cfg.run.remat != "none" else 0), 3 * N * V / tv * 4)
     flops = {
         "drafter_fc": 2 * (2 * S * m * d * d),
