@@ -25,6 +25,15 @@
 # elsewhere), RUN (default runs/smollm2-from-<id of the shipped drafter's weights>), DATAGEN (default
 # 1; 0: this sitting trains on the shards committed so far and leaves datagen for a later one, as
 # the training reads partial datagen folders: a sitting's CPU goes to steps while data accrues).
+#
+# Levers side by side (docs/results.md section 14: when a sitting gains < ~0.05 held-out tau, change
+# what limits it, each change against the plain recipe at the same budget): LEVER names an arm and
+# TRAIN_OVERRIDES holds its extra `train` overrides (e.g. "data.anchors_per_seq=32
+# data.blocks_per_row=128"); the arm trains in RUN=runs/smollm2-<LEVER>-from-<id>. SHIP=0 trains and
+# records the sitting without calibrating or shipping, for arms run at once: score the arms on the
+# same held-out batches (`python benchmarks/bench_draft_vocab.py --drafter RUN/drafter --sizes 0`),
+# then ship the best: SHIP=1 BUDGET_S=0 with its LEVER (BUDGET_S=0: no training, the run as it stands
+# is judged, calibrated and copied).
 set -euo pipefail
 
 dry=0
@@ -47,6 +56,9 @@ LR=${LR:-1.0e-4}
 WARMUP_STEPS=${WARMUP_STEPS:-50}
 DATAGEN_BATCH=${DATAGEN_BATCH:-32}
 DATAGEN=${DATAGEN:-1}
+LEVER=${LEVER:-}
+TRAIN_OVERRIDES=${TRAIN_OVERRIDES:-}
+SHIP=${SHIP:-1}
 FEATURE_CACHE=${FEATURE_CACHE:-none}
 if [ -z "${FEATURE_DTYPE:-}" ]; then
   if grep -qwE 'amx_bf16|avx512_bf16' /proc/cpuinfo 2>/dev/null; then FEATURE_DTYPE=bfloat16; else FEATURE_DTYPE=float32; fi
@@ -94,7 +106,8 @@ done
 # with its own on the same batches; only a better one is calibrated (STS at T = 0 and T = 1) and
 # replaces the shipped drafter (bf16). Every sitting appends a row to $DATA/sittings.jsonl.
 start_id=$("$PYTHON" launch/smollm2_sitting.py start-id "$SHIPPED")
-RUN=${RUN:-runs/smollm2-from-$start_id}
+RUN=${RUN:-runs/smollm2-${LEVER:+$LEVER-}from-$start_id}
+read -r -a lever_overrides <<< "$TRAIN_OVERRIDES"
 if [ "$FEATURE_CACHE" = none ]; then
   features=(data.feature_cache=null)
 else
@@ -105,15 +118,28 @@ if [ "$dry" = 1 ]; then
   echo "# training sitting of ${BUDGET_S} s from the shipped drafter $start_id in $RUN: resumes at step ${last:-0}"
 fi
 t0=$(date +%s)
+if [ "$BUDGET_S" = 0 ]; then echo "# BUDGET_S=0: no training, $RUN as it stands"; else
 step "$PYTHON" -m dspark_jax.train --config configs/dspark_smollm2-135m.yaml --resume --allow-schedule-change \
   "optim.init_from_drafter=$SHIPPED" optim.schedule=constant "optim.lr=$LR" "optim.warmup_steps=$WARMUP_STEPS" \
   optim.steps=1000000 "run.time_budget_s=$BUDGET_S" "run.out_dir=$RUN" \
   "data.train_dir=$DATA/train" "data.eval_dir=$DATA/eval" run.eval_every=250 run.eval_batches=16 \
-  data.seq_len=1024 data.rows=4 data.blocks_per_row=64 "${features[@]}"
+  data.seq_len=1024 data.rows=4 data.blocks_per_row=64 "${features[@]}" ${lever_overrides[@]+"${lever_overrides[@]}"}
+fi
 wall=$(( $(date +%s) - t0 ))
 
+if [ "$dry" = 1 ] && [ "$SHIP" = 0 ]; then
+  echo "# then (SHIP=0): its held-out verdict and a row in $DATA/sittings.jsonl, no calibration, nothing shipped"
+  exit 0
+fi
 if [ "$dry" = 1 ]; then
   echo "# then, if its held-out expected tau beats the shipped drafter's: STS at T = 0 and T = 1 into $RUN-calibrated (bf16), copied to $SHIPPED; a row in $DATA/sittings.jsonl"
+  exit 0
+fi
+record=("$PYTHON" launch/smollm2_sitting.py record "$RUN" --wall-s "$wall" --log "$DATA/sittings.jsonl" --lever "${LEVER:-recipe}" --overrides "$TRAIN_OVERRIDES")
+if [ "$SHIP" = 0 ]; then
+  "$PYTHON" launch/smollm2_sitting.py verdict "$RUN" || true
+  "${record[@]}" --shipped 0
+  echo "SHIP=0: trained and recorded, not calibrated: commit $DATA/sittings.jsonl"
   exit 0
 fi
 if "$PYTHON" launch/smollm2_sitting.py verdict "$RUN"; then
@@ -122,9 +148,9 @@ if "$PYTHON" launch/smollm2_sitting.py verdict "$RUN"; then
     --max-new-tokens 128 --save-to "$RUN-calibrated" --storage-dtype bfloat16
   step "$PYTHON" -m dspark_jax.calibrate --drafter "$RUN-calibrated" --temperature 1 --limit 16 --max-new-tokens 128
   step cp "$RUN-calibrated/drafter.json" "$RUN-calibrated/drafter.safetensors" "$SHIPPED/"
-  "$PYTHON" launch/smollm2_sitting.py record "$RUN" --wall-s "$wall" --shipped 1 --log "$DATA/sittings.jsonl"
+  "${record[@]}" --shipped 1
   echo "shipped: commit $SHIPPED and $DATA/sittings.jsonl"
 else
-  "$PYTHON" launch/smollm2_sitting.py record "$RUN" --wall-s "$wall" --shipped 0 --log "$DATA/sittings.jsonl"
+  "${record[@]}" --shipped 0
   echo "kept the shipped drafter: commit $DATA/sittings.jsonl"
 fi

@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     rec.add_argument("--wall-s", type=float, required=True)
     rec.add_argument("--shipped", type=int, choices=(0, 1), required=True)
     rec.add_argument("--log", default=LOG)
+    rec.add_argument("--lever", default="recipe", help="the arm's name (LEVER), 'recipe' for the plain recipe")
+    rec.add_argument("--overrides", default="", help="the arm's extra train overrides (TRAIN_OVERRIDES)")
     table = sub.add_parser("table")
     table.add_argument("--log", default=LOG)
     args = p.parse_args(argv)
@@ -86,18 +88,19 @@ def main(argv: list[str] | None = None) -> int:
                    wall_h=round(args.wall_s / 3600, 2), cpu_h=round(args.wall_s * (os.cpu_count() or 1) / 3600, 2),
                    tau_start=round(start["eval_expected_tau"], 4), tau_end=round(end["eval_expected_tau"], 4),
                    acceptance_end=[round(a, 3) for a in end.get("eval_acceptance_per_position", [])],
-                   shipped=bool(args.shipped))
+                   shipped=bool(args.shipped), lever=args.lever, overrides=args.overrides)
         os.makedirs(os.path.dirname(args.log) or ".", exist_ok=True)
         with open(args.log, "a") as f:
             f.write(json.dumps(row) + "\n")
         print(json.dumps(row))
     else:
         rows = [json.loads(line) for line in open(args.log) if line.strip()] if os.path.exists(args.log) else []
-        print("| date (UTC) | machine | run | steps | wall h | CPU h | held-out tau: start -> end | "
+        print("| date (UTC) | machine | run | lever | steps | wall h | CPU h | held-out tau: start -> end | "
               "acceptance per position at the end | shipped |")
-        print("|---|---|---|---:|---:|---:|---|---|---|")
+        print("|---|---|---|---|---:|---:|---:|---|---|---|")
         for r in rows:
-            print(f"| {r['date']} | {r['machine']} | {r['run']} | {r['steps']} | {r['wall_h']} | {r['cpu_h']} | "
+            lever = r.get("lever", "recipe") + (f" (`{r['overrides']}`)" if r.get("overrides") else "")
+        print(f"| {r['date']} | {r['machine']} | {r['run']} | {lever} | {r['steps']} | {r['wall_h']} | {r['cpu_h']} | "
                   f"{r['tau_start']:.3f} -> {r['tau_end']:.3f} | {' '.join(f'{a:.2f}' for a in r['acceptance_end'])} "
                   f"| {'yes' if r['shipped'] else 'no'} |")
     return 0

@@ -488,12 +488,9 @@ elif args[1] == "dspark_jax.calibrate":
 """
 
 
-def test_smollm2_recipe_runs_every_step_once_and_resumes(tmp_path):
-    """launch/smollm2_drafter.sh: datagen into the committed data folders, a training sitting from
-    the shipped drafter (in a run named after its weights), and only a sitting that beats it is
-    calibrated and shipped; each sitting is a row of the sittings log; --dry-run runs nothing."""
-    from dspark_jax.training.config import load_config
-
+def _fake_recipe(tmp_path):
+    """(env, calls log, data folder, shipped drafter folder, run(tau_end, **env) -> the python calls)
+    for launch/smollm2_drafter.sh with a fake python, from a scratch root."""
     fake = tmp_path / "python"
     fake.write_text(FAKE_RECIPE_PYTHON)
     fake.chmod(0o755)
@@ -505,16 +502,26 @@ def test_smollm2_recipe_runs_every_step_once_and_resumes(tmp_path):
     data = tmp_path / "datasets"
     env = {**os.environ, "PYTHON": str(fake), "FAKE_PYTHON_LOG": str(log), "SHIPPED": str(shipped),
            "DATA": str(data), "SEEDS": "0 1", "BUDGET_S": "600"}
-    run_name = "smollm2-from-" + hashlib.sha256(b"{}").hexdigest()[:12]
     os.symlink(os.path.join(ROOT, "launch"), tmp_path / "launch")  # run from a scratch root: runs/ lands there
     os.symlink(os.path.join(ROOT, "configs"), tmp_path / "configs")
 
-    def run(tau_end):
+    def run(tau_end, **more):
         log.unlink(missing_ok=True)
         subprocess.run(["bash", os.path.join(LAUNCH, "smollm2_drafter.sh")], cwd=tmp_path,
-                       env={**env, "FAKE_TAU_END": str(tau_end)}, check=True, capture_output=True, text=True)
-        return [json.loads(line) for line in log.read_text().splitlines()]
+                       env={**env, "FAKE_TAU_END": str(tau_end), **more}, check=True, capture_output=True, text=True)
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
+    return env, log, data, shipped, run
+
+
+def test_smollm2_recipe_runs_every_step_once_and_resumes(tmp_path):
+    """launch/smollm2_drafter.sh: datagen into the committed data folders, a training sitting from
+    the shipped drafter (in a run named after its weights), and only a sitting that beats it is
+    calibrated and shipped; each sitting is a row of the sittings log; --dry-run runs nothing."""
+    from dspark_jax.training.config import load_config
+
+    env, log, data, shipped, run = _fake_recipe(tmp_path)
+    run_name = "smollm2-from-" + hashlib.sha256(b"{}").hexdigest()[:12]
     calls = run(1.9)
     modules = [c[1] for c in calls]
     assert modules == ["dspark_jax.datagen"] * 4 + ["dspark_jax.train"] + ["dspark_jax.calibrate"] * 2
@@ -542,6 +549,30 @@ def test_smollm2_recipe_runs_every_step_once_and_resumes(tmp_path):
     assert [line.split()[2] for line in dry.stdout.splitlines() if not line.startswith("#")] == \
         ["dspark_jax.datagen"] * 4 + ["dspark_jax.train"]
     assert f"# {data}/eval: not started" in dry.stdout and "then, if its held-out expected tau beats" in dry.stdout
+
+
+def test_smollm2_recipe_lever_arms_train_apart_and_ship_later(tmp_path):
+    """A lever arm (LEVER, TRAIN_OVERRIDES) trains in its own run with its overrides last (they win);
+    SHIP=0 records it with its lever and calibrates nothing; SHIP=1 BUDGET_S=0 then ships that run
+    as it stands, without training it again."""
+    from dspark_jax.training.config import load_config
+
+    env, log, data, shipped, run = _fake_recipe(tmp_path)
+    arm = dict(LEVER="anchors32", TRAIN_OVERRIDES="data.anchors_per_seq=32 data.blocks_per_row=128", DATAGEN="0")
+    calls = run(1.9, SHIP="0", **arm)
+    assert [c[1] for c in calls] == ["dspark_jax.train"]
+    train = calls[0]
+    cfg = load_config(os.path.join(ROOT, train[train.index("--config") + 1]), [a for a in train[3:] if "=" in a])
+    assert (cfg.data.anchors_per_seq, cfg.data.blocks_per_row) == (32, 128)
+    assert cfg.run.out_dir == "runs/smollm2-anchors32-from-" + hashlib.sha256(b"{}").hexdigest()[:12]
+    (row,) = [json.loads(line) for line in open(data / "sittings.jsonl")]
+    assert (row["lever"], row["overrides"], row["shipped"]) == ("anchors32", arm["TRAIN_OVERRIDES"], False)
+    assert "sts_by_temperature" not in json.loads((shipped / "drafter.json").read_text())
+
+    calls = run(1.9, SHIP="1", BUDGET_S="0", **arm)
+    assert [c[1] for c in calls] == ["dspark_jax.calibrate"] * 2
+    assert all(c[c.index("--drafter") + 1].startswith("runs/smollm2-anchors32-from-") for c in calls)
+    assert sorted(json.loads((shipped / "drafter.json").read_text())["sts_by_temperature"]) == ["0", "1"]
 
 
 def test_smollm2_recipe_on_an_accelerator_trains_without_a_feature_cache(tmp_path):
