@@ -139,6 +139,13 @@ def _shift_left(x: jax.Array, n: int, fill) -> jax.Array:
     return jnp.concatenate([x[:, n:], jnp.full((x.shape[0], n) + x.shape[2:], fill, x.dtype)], axis=1)
 
 
+def _shift_right(x: jax.Array, n: int, fill) -> jax.Array:
+    """x[:, t] <- x[:, t - n] along axis 1; the first n entries become `fill`."""
+    if n == 0:
+        return x
+    return jnp.concatenate([jnp.full((x.shape[0], n) + x.shape[2:], fill, x.dtype), x[:, :-n]], axis=1)
+
+
 def eagle3_train_forward(
     params: dict,
     dcfg: DrafterConfig,
@@ -187,9 +194,6 @@ def eagle3_train_forward(
 
         def pick(x):
             return x
-
-        def target_probs_of_pass(i):
-            return _shift_left(target_probs, i, 1.0 / V)
     else:
         rows = jnp.arange(B)[:, None]
         valid = jnp.ones(loss_slots.shape, bool) if loss_slots_valid is None else loss_slots_valid
@@ -240,15 +244,24 @@ def eagle3_train_forward(
         if segment_ids is not None:  # pass i at t predicts t+1+i: it must be the same sequence
             mask = mask * (_shift_left(segment_ids, 1 + i, -1) == segment_ids)
         mask = pick(mask) * valid
-        log_q, p = jax.nn.log_softmax(logits, axis=-1), target_probs_of_pass(i)
+        if loss_slots is None:
+            # Scored at u = t + i against the one target array: a [B, S, V] target shifted per pass
+            # was kept per pass for the backward (2.5 GB a pass per chip at Qwen3-8B's shapes). The
+            # draft side moves instead, as its [B, S, d] hidden state; `logits` above stays the
+            # reported output and is never computed in training, which does not read it.
+            aligned = _draft_logits(params, dcfg, target_params, target_cfg, _shift_right(g, i, 0.0))
+            log_q, p, scored = jax.nn.log_softmax(aligned, axis=-1), target_probs, _shift_right(mask, i, 0.0)
+        else:
+            log_q, p, scored = jax.nn.log_softmax(logits, axis=-1), target_probs_of_pass(i), mask
         ce = -jnp.sum(p * log_q, axis=-1)
-        loss = jnp.sum(ce * mask) / mask.size  # the reference's normaliser: all B*S slots, masked or not
+        loss = jnp.sum(ce * scored) / mask.size  # the reference's normaliser: all B*S slots, masked or not
         total = total + dcfg.ttt_decay ** i * loss
         tokens = _shift_left(tokens, 1, 0)
+        acceptance = jax.lax.stop_gradient(jnp.sum(jnp.minimum(jnp.exp(log_q), p), axis=-1))
         outs["draft_logits"].append(logits)
         outs["position_mask"].append(mask)
         outs["loss"].append(loss)
-        outs["acceptance"].append(jax.lax.stop_gradient(jnp.sum(jnp.minimum(jnp.exp(log_q), p), axis=-1)))
+        outs["acceptance"].append(_shift_left(acceptance, i, 0.0) if loss_slots is None else acceptance)
     out = {name: jnp.stack(values) for name, values in outs.items()}
     out["total_loss"] = total
     return out
