@@ -338,15 +338,6 @@ def test_flops_agree_with_xlas_count(cache, drafter):
     assert plan["total"] - plan["target_attention"] == pytest.approx(xla, rel=0.05)
 
 
-def test_activation_estimate_is_the_size_of_xlas_buffers():
-    """XLA's temporary buffers of the compiled step (activations, gradients, the compute-dtype
-    copies) against the plan's estimate of the same: the same size, the plan on the high side."""
-    cfg = tiny(rows=4, compute="bfloat16", seq_len=512, blocks_per_row=64, anchors_per_seq=8)
-    temp = compiled_step(cfg, SMALL, "stacked").memory_analysis().temp_size_in_bytes
-    mem = planmod.training_plan(cfg, 1, SMALL)["memory_per_device"]
-    estimate = mem["activations"] + mem["gradients"] + mem["drafter_params_compute"] + mem["target_params_compute"]
-    assert 0.9 * temp < estimate < 1.6 * temp
-
 
 @pytest.mark.needs_devices(4)
 def test_qwen3_8b_v5p_setting_against_xla():
@@ -478,3 +469,19 @@ def test_a_program_traced_for_tpu_takes_no_cpu_path():
     assert "ui16" not in tpu_text and "dspark_matmul" not in tpu_text
     cpu_text = lowered("stacked")  # this process's choices: the CPU's
     assert "ui16" in cpu_text
+
+
+@needs_libtpu
+def test_plan_total_is_the_tpu_compilers():
+    """The plan's memory per chip (arguments, temporaries, the allocation slack) against the TPU
+    compiler's for the same step on v5p-8's four chips, data-parallel, at small shapes: within 10%
+    (-3% when written; the shipped configs on their slices: `-m slow -k shipped`)."""
+    from dspark_jax.serving.tpu_compile import tpu_slice
+    from dspark_jax.training.compile_check import compile_train_programs
+
+    cfg = tiny(rows=4, compute="bfloat16", seq_len=512, blocks_per_row=64, anchors_per_seq=8, mesh=(-1, 1, 1))
+    step = compile_train_programs(cfg, tpu_slice("v5p-8"), SMALL, "small", eval_step=False)[0]
+    plan = planmod.training_plan(cfg, 4, SMALL)["memory_per_device"]
+    assert plan["drafter_params"] + plan["optimizer_state"] + plan["target_params"] + plan["batch"] == \
+        pytest.approx(step.argument_bytes, rel=0.01)
+    assert plan["total"] == pytest.approx(step.argument_bytes + step.temp_bytes, rel=0.10)
