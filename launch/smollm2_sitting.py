@@ -90,8 +90,17 @@ def main(argv: list[str] | None = None) -> int:
                    acceptance_end=[round(a, 3) for a in end.get("eval_acceptance_per_position", [])],
                    shipped=bool(args.shipped), lever=args.lever, overrides=args.overrides)
         os.makedirs(os.path.dirname(args.log) or ".", exist_ok=True)
-        with open(args.log, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        rows = [json.loads(line) for line in open(args.log) if line.strip()] if os.path.exists(args.log) else []
+        if args.wall_s == 0 and rows and rows[-1]["run"] == row["run"]:
+            # no training this time (BUDGET_S=0): the run's own row, recorded when it trained, gets the verdict
+            rows[-1]["shipped"] = row["shipped"]
+            row = rows[-1]
+            with open(args.log + ".tmp", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+            os.replace(args.log + ".tmp", args.log)
+        else:
+            with open(args.log, "a") as f:
+                f.write(json.dumps(row) + "\n")
         print(json.dumps(row))
     else:
         rows = [json.loads(line) for line in open(args.log) if line.strip()] if os.path.exists(args.log) else []

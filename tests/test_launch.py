@@ -573,6 +573,8 @@ def test_smollm2_recipe_lever_arms_train_apart_and_ship_later(tmp_path):
     assert [c[1] for c in calls] == ["dspark_jax.calibrate"] * 2
     assert all(c[c.index("--drafter") + 1].startswith("runs/smollm2-anchors32-from-") for c in calls)
     assert sorted(json.loads((shipped / "drafter.json").read_text())["sts_by_temperature"]) == ["0", "1"]
+    (row,) = [json.loads(line) for line in open(data / "sittings.jsonl")]  # its own row, now shipped
+    assert (row["lever"], row["steps"], row["shipped"]) == ("anchors32", 500, True)
 
 
 def test_smollm2_recipe_on_an_accelerator_trains_without_a_feature_cache(tmp_path):
