@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---|---|---|---:|---:|---:|---|---|---|")
         for r in rows:
             lever = r.get("lever", "recipe") + (f" (`{r['overrides']}`)" if r.get("overrides") else "")
-        print(f"| {r['date']} | {r['machine']} | {r['run']} | {lever} | {r['steps']} | {r['wall_h']} | {r['cpu_h']} | "
+            print(f"| {r['date']} | {r['machine']} | {r['run']} | {lever} | {r['steps']} | {r['wall_h']} | {r['cpu_h']} | "
                   f"{r['tau_start']:.3f} -> {r['tau_end']:.3f} | {' '.join(f'{a:.2f}' for a in r['acceptance_end'])} "
                   f"| {'yes' if r['shipped'] else 'no'} |")
     return 0

@@ -575,6 +575,10 @@ def test_smollm2_recipe_lever_arms_train_apart_and_ship_later(tmp_path):
     assert sorted(json.loads((shipped / "drafter.json").read_text())["sts_by_temperature"]) == ["0", "1"]
     (row,) = [json.loads(line) for line in open(data / "sittings.jsonl")]  # its own row, now shipped
     assert (row["lever"], row["steps"], row["shipped"]) == ("anchors32", 500, True)
+    run(1.9, SHIP="0", LEVER="recipe", DATAGEN="0")  # a second arm: the table shows one line per sitting
+    table = subprocess.run([sys.executable, os.path.join(LAUNCH, "smollm2_sitting.py"), "table", "--log",
+                            str(data / "sittings.jsonl")], capture_output=True, text=True, check=True).stdout
+    assert [line.split(" | ")[3] for line in table.splitlines()[2:]] == [f"anchors32 (`{arm['TRAIN_OVERRIDES']}`)", "recipe"]
 
 
 def test_smollm2_recipe_on_an_accelerator_trains_without_a_feature_cache(tmp_path):
